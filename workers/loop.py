@@ -1,0 +1,519 @@
+"""The worker loop: stand in the line, claim what fits when at its head, run batches off the
+ZooKeeper threads, complete them fenced by their tokens, and survive connection trouble.
+
+All ZooKeeper state is touched from the loop's thread only. Watches and the connection listener
+run on kazoo's thread; they just post events. Runners run on an executor thread per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_mod
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.protocol.states import EventType, KazooState, WatchedEvent
+
+from workers.admission import Admission, Verdict
+from workers.runners.base import Outcome, Runner, RunningJob
+from zkqueue import defaults
+from zkqueue import result as results
+from zkqueue.claims import Candidate, Claim, Claims
+from zkqueue.errors import InvalidJob
+from zkqueue.layout import EntryName, Layout, check_queue
+from zkqueue.line import Line
+from zkqueue.registry import Registry, WorkerRecord
+from zkqueue.result import Result
+from zkqueue.spec import JobSpec
+from zkqueue.view import PendingView
+
+log = logging.getLogger("zkq.worker")
+
+NEW, RUNNING, DRAINING, STOPPED = "new", "running", "draining", "stopped"
+_ZK_TROUBLE = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
+#: Entries the head reads in one turn at most: keeps the serial part of dispatch short.
+_SCAN_LIMIT = 64
+#: After a drain times out, how long released jobs get to stop before the worker exits anyway.
+_RELEASE_GRACE = 5.0
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+class OutOfMemory(Exception):
+    """Raised by a runner when a batch did not fit: its jobs are released for a smaller retry."""
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    completed: int = 0
+    fenced: int = 0
+    released: int = 0
+    dead_lettered: int = 0
+    #: Watch notifications this worker's session received (line, view, running entries).
+    watch_events: int = 0
+
+
+@dataclass
+class _Held:
+    claim: Claim
+    job: RunningJob
+
+
+@dataclass
+class _Batch:
+    held: list[_Held]
+    need: int = 0
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+class Worker:
+    """One worker process's loop on one queue. Constructor keywords are the configuration."""
+
+    def __init__(self, zk: KazooClient, runner: Runner, *, queue: str = defaults.QUEUE,
+                 root: str = defaults.ROOT, slots: int = defaults.WORKER_SLOTS,
+                 name: str | None = None, max_jobs: int | None = None, burst: bool = False,
+                 drain_timeout: float = defaults.DRAIN_TIMEOUT,
+                 heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
+                 max_attempts: int = defaults.MAX_ATTEMPTS, admission: Admission | None = None,
+                 max_batch: int | None = None,
+                 on_heartbeat: Callable[[Worker], None] | None = None) -> None:
+        self.zk = zk
+        self.runner = runner
+        self.queue = check_queue(queue)
+        self.layout = Layout(root)
+        self.slots = slots
+        self.id = name or default_worker_id()
+        self.max_jobs = max_jobs
+        self.burst = burst
+        self.drain_timeout = drain_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.max_attempts = max_attempts
+        self.admission = admission or Admission()
+        self.max_batch = max_batch or slots
+        self.on_heartbeat = on_heartbeat
+        self.state = NEW
+        self.stats = WorkerStats()
+        self.ready = threading.Event()
+        self.line = Line(zk, self.layout, self.queue, self.id, lambda: self._post("line"))
+        self.view = PendingView(zk, self.layout, self.queue, lambda p: self._post("pending", p))
+        self.claims = Claims(zk, self.layout, self.queue, self.id)
+        self.registry = Registry(zk, self.layout, WorkerRecord(
+            id=self.id, queue=self.queue, runner=runner.name, slots_max=slots,
+            runner_info=runner.describe()))
+        self._events: queue_mod.Queue[tuple[Any, ...]] = queue_mod.Queue()
+        self._held: dict[str, _Held] = {}
+        self._to_complete: deque[tuple[_Held, Outcome]] = deque()
+        self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="zkq-run")
+        self._suspended = False
+        self._lost = False
+        self._drain_deadline: float | None = None
+        self._release_deadline: float | None = None
+        self._next_heartbeat = 0.0
+        self._queue_empty = False
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def zk_session_timeout(self) -> float:
+        """Seconds a crashed predecessor's ephemeral nodes may linger."""
+        return float(getattr(self.zk, "_session_timeout", 10000)) / 1000 + 1
+
+    @property
+    def busy(self) -> int:
+        return len(self._held)
+
+    def run(self) -> None:
+        """Run until stopped (stop(), max_jobs, burst). Safe to call on any thread."""
+        self.start()
+        try:
+            while self._step():
+                pass
+        finally:
+            self._shutdown()
+
+    def start(self) -> None:
+        for path in self.layout.queue_dirs(self.queue):
+            try:
+                self.zk.create(path, makepath=True)
+            except NodeExistsError:
+                pass
+        self.zk.add_listener(self._on_state)
+        self.registry.register(wait=self.zk_session_timeout)
+        self.state = RUNNING
+        self.registry.record.state = RUNNING
+        self._post("wake")
+
+    def stop(self, drain: bool = True) -> None:
+        """Ask the loop to stop (thread safe). With drain, running jobs get drain_timeout to
+        finish; without, or on a second call, they are released at once."""
+        self._post("stop", drain)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _post(self, *event: Any) -> None:
+        if event[0] in ("line", "pending", "entry"):
+            self.stats.watch_events += 1
+        self._events.put(event)
+
+    def _step(self) -> bool:
+        try:
+            self._retry_completions()
+            self._dispatch()
+        except _ZK_TROUBLE as exc:
+            log.warning("ZooKeeper trouble during dispatch: %s", type(exc).__name__)
+            self._suspended = True
+        self._wait_events()
+        self._maybe_heartbeat()
+        return not self._should_exit()
+
+    def _wait_events(self) -> None:
+        timeout = max(0.0, self._next_heartbeat - time.monotonic())
+        if self._drain_deadline is not None:
+            timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue_mod.Empty:
+            return
+        while True:
+            self._handle(event)
+            try:
+                event = self._events.get_nowait()
+            except queue_mod.Empty:
+                return
+
+    def _handle(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "line":
+            self.line.invalidate()
+        elif kind == "pending":
+            self.view.invalidate(event[1])
+            self._queue_empty = False
+        elif kind == "entry":
+            self._entry_changed(event[1], event[2])
+        elif kind == "done":
+            self._batch_done(event[1])
+        elif kind == "state":
+            self._state_changed(event[1])
+        elif kind == "stop":
+            self._begin_stop(event[1])
+        elif kind == "rejoin":
+            self.registry.register(wait=self.zk_session_timeout)
+
+    def _should_exit(self) -> bool:
+        if self.state == STOPPED:
+            return True
+        idle = not self._held and not self._to_complete
+        if self.state == DRAINING:
+            self._check_drain_deadline()
+            return idle or (self._release_deadline is not None
+                            and time.monotonic() > self._release_deadline)
+        if self.max_jobs is not None and self.stats.claimed >= self.max_jobs and idle:
+            return True
+        return self.burst and self._queue_empty and idle
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _free_slots(self) -> int:
+        free = self.slots - self.busy - len(self._to_complete)
+        if self.max_jobs is not None:
+            free = min(free, self.max_jobs - self.stats.claimed)
+        return free
+
+    def _dispatch(self) -> None:
+        if self.state != RUNNING or self._suspended or self._lost:
+            return
+        free = self._free_slots()
+        if free <= 0:
+            return
+        if not self.line.joined:
+            self.line.join()
+        if not self.line.is_head():
+            return
+        self.view.refresh()
+        self._letter_malformed()
+        picked = self._pick(free)
+        if not picked:
+            self._queue_empty = True
+            return
+        rejoin = free - len(picked) > 0
+        claimed = self.claims.claim(picked, self.line, rejoin=rejoin)
+        if claimed is None:
+            self.view.invalidate()
+            self._post("wake")  # lost a race: re-read and try again
+            return
+        for c in picked:
+            self.view.drop(c.priority, c.entry)
+        self._start(claimed, sum(c.need for c in picked))
+
+    def _pick(self, free: int) -> list[Candidate]:
+        picked: list[Candidate] = []
+        planned = 0
+        exclude = set(self._held)
+        ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        chunk = max(free * 2, 4)
+        for start in range(0, len(ordered), chunk):
+            part = ordered[start:start + chunk]
+            calls = [self.zk.get_async(self.claims.entry_path(p, e)) for p, e in part]
+            for (priority, entry), call in zip(part, calls, strict=True):
+                try:
+                    data, stat = call.get()
+                except NoNodeError:
+                    self.view.drop(priority, entry)
+                    continue
+                cand = self._judge(priority, entry, data, stat, planned)
+                if cand is not None:
+                    picked.append(cand)
+                    planned += cand.need
+                    if len(picked) >= min(free, self.max_batch):
+                        return picked
+        return picked
+
+    def _judge(self, priority: str, entry: EntryName, data: bytes, stat: Any,
+               planned: int) -> Candidate | None:
+        """A candidate if this worker should claim the entry now; otherwise deal with it."""
+        try:
+            spec = JobSpec.from_bytes(data)
+        except InvalidJob as exc:
+            self._letter(priority, entry.name, data, stat, f"invalid job spec: {exc}", entry.job_id)
+            return None
+        if stat.version >= self.max_attempts:
+            reason = (f"claimed {stat.version} times without finishing "
+                      f"(max_attempts={self.max_attempts}): a poison job or crashing workers")
+            self._letter(priority, entry.name, data, stat, reason, entry.job_id)
+            return None
+        if spec.queue_timeout is not None and time.time() - stat.ctime / 1000 > spec.queue_timeout:
+            self._end_unclaimed(priority, entry, stat, results.EXPIRED,
+                                f"not started within queue_timeout of {spec.queue_timeout:g}s")
+            return None
+        decision = self.admission.judge(spec, planned)
+        if decision.verdict == Verdict.ADMIT:
+            return Candidate(priority, entry, data, stat, spec, decision.need)
+        if decision.verdict == Verdict.NEVER:
+            log.info("job %s cannot run here: %s", entry.job_id, decision.reason)
+        return None
+
+    def _letter(self, priority: str, name: str, data: bytes, stat: Any, reason: str,
+                job_id: str | None) -> None:
+        if self.claims.dead_letter(priority, name, data, stat, reason, job_id):
+            self.stats.dead_lettered += 1
+
+    def _letter_malformed(self) -> None:
+        for priority, names in self.view.malformed.items():
+            for name in names:
+                try:
+                    data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
+                except NoNodeError:
+                    continue
+                self._letter(priority, name, data, stat,
+                             f"entry name {name!r} is not <id>-<sequence>", None)
+            names.clear()
+
+    def _end_unclaimed(self, priority: str, entry: EntryName, stat: Any, status: str,
+                       error: str) -> None:
+        record = Result(id=entry.job_id, queue=self.queue, priority=priority, status=status,
+                        error=error, worker=self.id, attempts=stat.version,
+                        submitted_at=stat.ctime / 1000, finished_at=time.time())
+        self.claims.finish(priority, entry, stat, record)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _start(self, claimed: list[Claim], need: int) -> None:
+        self.stats.claimed += len(claimed)
+        held = [_Held(c, RunningJob(id=c.id, spec=c.spec, priority=c.priority, queue=self.queue,
+                                    attempts=c.token, claimed_at=c.claimed_at)) for c in claimed]
+        for h in held:
+            self._held[h.claim.entry.name] = h
+        for h in held:
+            self._watch_entry(h)
+        for start in range(0, len(held), self.max_batch):
+            batch = _Batch(held[start:start + self.max_batch], need)
+            self._executor.submit(self._execute, batch)
+        log.info("claimed %s", ", ".join(f"{h.claim.id}({h.claim.priority})" for h in held))
+
+    def _watch_entry(self, held: _Held) -> None:
+        name = held.claim.entry.name
+
+        def watch(event: WatchedEvent) -> None:
+            self._post("entry", name, event.type)
+
+        path = self.claims.entry_path(held.claim.priority, held.claim.entry)
+        stat = self.zk.exists(path, watch=watch)
+        if stat is None:
+            held.job.cancel("cancelled")
+        elif stat.version != held.claim.token:
+            held.job.cancel("fenced")
+
+    def _execute(self, batch: _Batch) -> None:
+        jobs = [h.job for h in batch.held]
+        try:
+            outcomes = self.runner.run(jobs)
+        except OutOfMemory as exc:
+            for job in jobs:
+                job.cancel("released")
+            outcomes = [Outcome(results.FAILED, error=f"out of memory: {exc}") for _ in jobs]
+        except Exception as exc:  # a runner bug must fail its jobs, never kill the worker
+            log.exception("runner failed a batch of %d", len(jobs))
+            outcomes = [Outcome(results.FAILED, error=f"runner error: {exc!r}") for _ in jobs]
+        batch.outcomes = outcomes
+        self._post("done", batch)
+
+    def _entry_changed(self, name: str, event_type: str) -> None:
+        held = self._held.get(name)
+        if held is None:
+            return
+        if event_type == EventType.DELETED:
+            held.job.cancel("cancelled")
+        elif event_type == EventType.CHANGED:
+            held.job.cancel("fenced")
+
+    def _batch_done(self, batch: _Batch) -> None:
+        for held, outcome in zip(batch.held, batch.outcomes, strict=True):
+            self._to_complete.append((held, outcome))
+        self._retry_completions()
+
+    def _retry_completions(self) -> None:
+        while self._to_complete and not self._suspended:
+            held, outcome = self._to_complete[0]
+            self._finish(held, outcome)
+            self._to_complete.popleft()
+            self._held.pop(held.claim.entry.name, None)
+
+    def _finish(self, held: _Held, outcome: Outcome) -> None:
+        """Write the job's end, fenced by its token. Raises on connection trouble (retried)."""
+        claim, reason = held.claim, held.job.cancel_reason
+        if reason == "cancelled":
+            self.claims.drop(claim)
+        elif reason == "released":
+            self.stats.released += self.claims.release(claim)
+        elif reason in ("fenced", "lost"):
+            self.stats.fenced += 1
+        elif self._complete(held, outcome):
+            self.stats.completed += 1
+        else:
+            self.stats.fenced += 1
+            self.claims.release(claim)
+
+    def _complete(self, held: _Held, outcome: Outcome) -> bool:
+        claim = held.claim
+        record = Result(id=claim.id, queue=self.queue, priority=claim.priority,
+                        status=outcome.status, output=outcome.output, error=outcome.error,
+                        worker=self.id, attempts=claim.token, submitted_at=claim.submitted_at,
+                        started_at=claim.claimed_at, finished_at=time.time(), extra=outcome.extra)
+        last = len(self._to_complete) == 1
+        rejoin = last and self.state == RUNNING and not self.line.joined and self._room_after()
+        try:
+            return self.claims.complete(claim, record, self.line if rejoin else None)
+        except ConnectionLoss:
+            # The multi may have committed: our result in place means it did.
+            self._suspended = True
+            raise
+
+    def _room_after(self) -> bool:
+        return self.max_jobs is None or self.stats.claimed < self.max_jobs
+
+    # -- connection, heartbeat, stopping -----------------------------------------------------
+
+    def _on_state(self, state: KazooState) -> None:
+        self._post("state", state)
+
+    def _state_changed(self, state: KazooState) -> None:
+        if state == KazooState.SUSPENDED:
+            log.warning("ZooKeeper connection suspended: not claiming until it is back")
+            self._suspended = True
+        elif state == KazooState.LOST:
+            log.error("ZooKeeper session lost: dropping %d claim(s)", len(self._held))
+            self._lost = True
+            for held in self._held.values():
+                held.job.cancel("lost")
+            for held, _ in self._to_complete:
+                held.job.cancel("lost")
+            self.line.forget()
+            self.view.invalidate()
+        elif state == KazooState.CONNECTED:
+            self._suspended = False
+            self.view.invalidate()
+            self.line.invalidate()
+            if self._lost:
+                self._lost = False
+                self._post("rejoin")
+            self._post("wake")
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.heartbeat_interval
+        if self._suspended:
+            return
+        record = self.registry.record
+        record.state = self.state
+        record.slots_busy = self.busy
+        record.running = [h.claim.id for h in self._held.values()]
+        if self.on_heartbeat is not None:
+            self.on_heartbeat(self)
+        try:
+            self.registry.update()
+        except _ZK_TROUBLE:
+            self._suspended = True
+
+    def _begin_stop(self, drain: bool) -> None:
+        if self.state == DRAINING or not drain:
+            self._release_all()
+            return
+        log.info("draining: %d running job(s), up to %gs", self.busy, self.drain_timeout)
+        self.state = DRAINING
+        self._drain_deadline = time.monotonic() + self.drain_timeout
+        self._leave_line()
+
+    def _check_drain_deadline(self) -> None:
+        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+            self._drain_deadline = None
+            log.warning("drain timeout: releasing %d job(s) to other workers", self.busy)
+            self._release_all()
+
+    def _release_all(self) -> None:
+        self.state = DRAINING
+        self._leave_line()
+        for held in self._held.values():
+            held.job.cancel("released")
+        if self._release_deadline is None:
+            self._release_deadline = time.monotonic() + _RELEASE_GRACE
+
+    def _leave_line(self) -> None:
+        try:
+            self.line.leave()
+        except _ZK_TROUBLE:
+            self.line.forget()
+
+    def _shutdown(self) -> None:
+        self.state = STOPPED
+        self.zk.remove_listener(self._on_state)
+        for held in self._held.values():
+            held.job.cancel("released")
+        try:
+            self._leave_line()
+            self.registry.unregister()
+        except _ZK_TROUBLE:
+            pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        log.info("worker %s stopped: %s", self.id, self.stats)

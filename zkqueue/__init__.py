@@ -1,0 +1,25 @@
+"""zkq: a ZooKeeper-backed priority job queue for GPU inference."""
+
+from __future__ import annotations
+
+from zkqueue.client import Client
+from zkqueue.errors import (
+    ConfigurationError,
+    InvalidJob,
+    JobNotFound,
+    JobTimeout,
+    JobWithdrawn,
+    QueueFull,
+    ResultTooLarge,
+    SpecTooLarge,
+    ZkqConnectionError,
+    ZkqError,
+)
+from zkqueue.job import Job
+from zkqueue.result import Result
+from zkqueue.spec import JobSpec
+
+__version__ = "0.1.0"
+__all__ = ["Client", "ConfigurationError", "InvalidJob", "Job", "JobNotFound", "JobSpec",
+           "JobTimeout", "JobWithdrawn", "QueueFull", "Result", "ResultTooLarge", "SpecTooLarge",
+           "ZkqConnectionError", "ZkqError"]

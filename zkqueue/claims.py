@@ -1,0 +1,192 @@
+"""The claim/complete protocol: every state change of a job is one ZooKeeper multi.
+
+- claim:    create claims/<entry> (ephemeral) + set_data(entry, same bytes, version=read version)
+            [+ leave the line, + rejoin it at the back]. The entry's new version is the fencing
+            token and the attempt count.
+- complete: check(entry, token) + create results/<id> + delete(entry) + delete(claims/<entry>)
+            [+ rejoin the line]. A stale worker's multi fails as a whole.
+- release:  check(entry, token) + delete(claims/<entry>): the job is pending again.
+- dead:     create dead/<entry> + create results/<id> + delete(entry, version).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import ZnodeStat
+
+from zkqueue import result as results
+from zkqueue.errors import ResultTooLarge
+from zkqueue.layout import EntryName, Layout
+from zkqueue.line import Line
+from zkqueue.result import Result, to_json
+from zkqueue.spec import JobSpec
+
+log = logging.getLogger("zkq.claims")
+
+
+@dataclass
+class Candidate:
+    """A pending entry read by the head and judged admissible."""
+
+    priority: str
+    entry: EntryName
+    data: bytes
+    stat: ZnodeStat
+    spec: JobSpec
+    #: Estimated memory need in bytes (0 when the worker does not judge memory).
+    need: int = 0
+
+
+@dataclass
+class Claim:
+    """A job this worker holds. ``token`` is the entry version the claim set."""
+
+    queue: str
+    priority: str
+    entry: EntryName
+    spec: JobSpec
+    token: int
+    submitted_at: float
+    claimed_at: float
+
+    @property
+    def id(self) -> str:
+        return self.entry.job_id
+
+
+class Claims:
+    """Runs the protocol's transactions for one worker on one queue."""
+
+    def __init__(self, zk: KazooClient, layout: Layout, queue: str, worker_id: str) -> None:
+        self.zk = zk
+        self.layout = layout
+        self.queue = queue
+        self.worker_id = worker_id
+
+    def entry_path(self, priority: str, entry: EntryName) -> str:
+        return self.layout.entry(self.queue, priority, entry.name)
+
+    def claim(self, picked: list[Candidate], line: Line, rejoin: bool) -> list[Claim] | None:
+        """Claim ``picked`` in one multi that also leaves the line (and rejoins it at the back
+        when slots stay free). None if any entry changed under us: nothing was claimed."""
+        now = time.time()
+        txn = self.zk.transaction()
+        for c in picked:
+            token = c.stat.version + 1
+            body = {"worker": self.worker_id, "token": token, "claimed_at": now}
+            txn.create(self.layout.claim(self.queue, c.entry.name), to_json(body), ephemeral=True)
+            txn.set_data(self.entry_path(c.priority, c.entry), c.data, version=c.stat.version)
+        left = line.joined
+        line.add_leave(txn)
+        if rejoin:
+            line.add_join(txn)
+        outcome = txn.commit()
+        if _failed(outcome):
+            log.debug("claim of %d entries lost a race: %s", len(picked), _first_error(outcome))
+            return None
+        line.committed(left, outcome[-1] if rejoin else None)
+        return [Claim(self.queue, c.priority, c.entry, c.spec, c.stat.version + 1,
+                      c.stat.ctime / 1000, now) for c in picked]
+
+    def complete(self, claim: Claim, record: Result, line: Line | None) -> bool:
+        """Write the result and remove the job, fenced by the token. False if we were fenced
+        out (cancelled, reclaimed, or our session is gone): nothing was written."""
+        try:
+            data = record.to_bytes()
+        except ResultTooLarge as exc:
+            record.status, record.output, record.error = results.FAILED, "", str(exc)
+            data = record.to_bytes()
+        txn = self.zk.transaction()
+        txn.check(self.entry_path(claim.priority, claim.entry), claim.token)
+        txn.create(self.layout.result(self.queue, claim.id), data)
+        txn.delete(self.entry_path(claim.priority, claim.entry), claim.token)
+        txn.delete(self.layout.claim(self.queue, claim.entry.name))
+        if line is not None:
+            line.add_join(txn)
+        outcome = txn.commit()
+        if _failed(outcome):
+            log.warning("job %s: result not written, fenced out (%s)", claim.id,
+                        _first_error(outcome))
+            return False
+        if line is not None:
+            line.committed(False, outcome[-1])
+        return True
+
+    def release(self, claim: Claim) -> bool:
+        """Give the job back (drain, out of memory): it is pending again for any worker."""
+        txn = self.zk.transaction()
+        txn.check(self.entry_path(claim.priority, claim.entry), claim.token)
+        txn.delete(self.layout.claim(self.queue, claim.entry.name))
+        return not _failed(txn.commit())
+
+    def drop(self, claim: Claim) -> None:
+        """Remove our claim on an entry that is gone (cancelled or withdrawn), if still ours."""
+        path = self.layout.claim(self.queue, claim.entry.name)
+        try:
+            stat = self.zk.exists(path)
+            if stat is not None and stat.ephemeralOwner == self.zk.client_id[0]:
+                self.zk.delete(path, version=stat.version)
+        except NoNodeError:
+            pass
+
+    def dead_letter(self, priority: str, name: str, data: bytes, stat: ZnodeStat | None,
+                    reason: str, job_id: str | None) -> bool:
+        """Move an entry to dead/ with the reason, and record a ``dead`` result when it has an id."""
+        now = time.time()
+        letter: dict[str, Any] = {"id": job_id, "queue": self.queue, "priority": priority,
+                                  "entry": name, "reason": reason, "worker": self.worker_id,
+                                  "dead_at": now, **_raw_payload(data)}
+        record = None
+        if job_id is not None:
+            record = Result(id=job_id, queue=self.queue, priority=priority, status=results.DEAD,
+                            error=reason, worker=self.worker_id,
+                            attempts=stat.version if stat else 0,
+                            submitted_at=stat.ctime / 1000 if stat else None, finished_at=now)
+        # A hand-made entry may reuse an id that already has a result: then letter it alone.
+        for with_result in (True, False) if record else (False,):
+            txn = self.zk.transaction()
+            txn.create(self.layout.dead_node(self.queue, name), to_json(letter))
+            if with_result and record is not None:
+                txn.create(self.layout.result(self.queue, record.id), record.to_bytes())
+            txn.delete(self.layout.entry(self.queue, priority, name),
+                       stat.version if stat is not None else -1)
+            outcome = txn.commit()
+            if not _failed(outcome):
+                log.warning("dead-lettered %s/%s: %s", priority, name, reason)
+                return True
+        log.warning("dead-lettering %s failed: %s", name, _first_error(outcome))
+        return False
+
+    def finish(self, priority: str, entry: EntryName, stat: ZnodeStat, record: Result) -> bool:
+        """End an unclaimed entry with a result (expired, rejected), fenced by its version."""
+        txn = self.zk.transaction()
+        txn.create(self.layout.result(self.queue, entry.job_id), record.to_bytes())
+        txn.delete(self.entry_path(priority, entry), stat.version)
+        return not _failed(txn.commit())
+
+
+def _failed(outcome: list[Any]) -> bool:
+    return any(isinstance(r, Exception) for r in outcome)
+
+
+def _first_error(outcome: list[Any]) -> str:
+    for r in outcome:
+        if isinstance(r, Exception) and type(r).__name__ != "RolledBackError":
+            return type(r).__name__
+    return "unknown"
+
+
+def _raw_payload(data: bytes) -> dict[str, Any]:
+    """The entry's bytes for the dead letter: text when it is UTF-8, else base64; capped."""
+    data = data[:16 * 1024]
+    try:
+        return {"raw": data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"raw_base64": base64.b64encode(data).decode()}

@@ -1,0 +1,319 @@
+"""The producer API: submit jobs, find them, list the queue, read stats and the worker registry."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+
+from zkqueue import defaults
+from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
+from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
+from zkqueue.job import PENDING, RUNNING, Job
+from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
+from zkqueue.spec import build_spec
+
+#: Creates in flight at once in submit_many.
+_PIPELINE_WINDOW = 512
+_CREATE_RETRIES = 5
+
+
+def new_job_id() -> str:
+    """A unique job id; it also goes into the entry's name so a retried create can find it."""
+    return secrets.token_hex(8)
+
+
+class Client:
+    """A connection to one zkq root. Use as a context manager, or call start() and close()."""
+
+    def __init__(self, hosts: str = defaults.HOSTS, root: str = defaults.ROOT, *,
+                 session_timeout: float = defaults.SESSION_TIMEOUT,
+                 connect_timeout: float = defaults.CONNECT_TIMEOUT,
+                 max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
+                 zk: KazooClient | None = None) -> None:
+        self.settings = ConnectionSettings(hosts=hosts, session_timeout=session_timeout,
+                                           connect_timeout=connect_timeout)
+        self.layout = Layout(root)
+        self.max_spec_bytes = max_spec_bytes
+        self._zk = zk
+        self._owns_zk = zk is None
+        self._ready: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Client:
+        if self._zk is None:
+            self._zk = connect(self.settings)
+        return self
+
+    def close(self) -> None:
+        if self._zk is not None and self._owns_zk:
+            close(self._zk)
+            self._zk = None
+
+    def __enter__(self) -> Client:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def zk(self) -> KazooClient:
+        if self._zk is None:
+            raise ZkqConnectionError("client is not started: use it as a context manager")
+        return self._zk
+
+    @contextmanager
+    def mapped(self) -> Iterator[None]:
+        with mapped_errors(self.settings.hosts):
+            yield
+
+    def ensure_queue(self, queue: str) -> None:
+        """Create the queue's directories once per client (idempotent)."""
+        if queue in self._ready:
+            return
+        for path in self.layout.queue_dirs(queue):
+            try:
+                self.zk.create(path, makepath=True)
+            except NodeExistsError:
+                pass
+        self._ready.add(queue)
+
+    # -- producing ---------------------------------------------------------------------------
+
+    def submit(self, prompt: str, priority: str = defaults.PRIORITY,
+               queue: str = defaults.QUEUE, max_new_tokens: int | None = None,
+               detach: bool = False, **params: Any) -> Job:
+        """Enqueue one job. Attached (detach=False) requests are withdrawn if this client goes away."""
+        check_priority(priority)
+        check_queue(queue)
+        data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
+        job_id = new_job_id()
+        with self.mapped():
+            self.ensure_queue(queue)
+            name = self._create_entry(queue, priority, job_id, data, ephemeral=not detach)
+        return Job(self, job_id, queue, priority, name, detach=detach, owned=True)
+
+    def submit_many(self, specs: Iterable[str | Mapping[str, Any]], *,
+                    priority: str = defaults.PRIORITY, queue: str = defaults.QUEUE,
+                    max_new_tokens: int | None = None, detach: bool = True) -> list[Job]:
+        """Enqueue many jobs with pipelined creates. Each spec is a prompt or a mapping with
+        ``prompt`` and optional ``priority``, ``queue``, ``max_new_tokens`` and job parameters.
+        Every spec is validated before anything is written."""
+        prepared = [self._prepare(i, s, priority, queue, max_new_tokens) for i, s in enumerate(specs)]
+        with self.mapped():
+            for q in {p[1] for p in prepared}:
+                self.ensure_queue(q)
+            return self._create_pipelined(prepared, detach)
+
+    def _prepare(self, index: int, spec: str | Mapping[str, Any], priority: str, queue: str,
+                 max_new_tokens: int | None) -> tuple[str, str, str, bytes]:
+        fields: dict[str, Any] = {"prompt": spec} if isinstance(spec, str) else dict(spec)
+        try:
+            prio = check_priority(fields.pop("priority", priority))
+            q = check_queue(fields.pop("queue", queue))
+            prompt = fields.pop("prompt", None)
+            mnt = fields.pop("max_new_tokens", max_new_tokens)
+            if prompt is None:
+                raise InvalidJob("no prompt")
+            data = build_spec(prompt, mnt, fields).to_bytes(self.max_spec_bytes)
+        except InvalidJob as exc:
+            raise type(exc)(f"spec #{index}: {exc}") from None
+        return new_job_id(), q, prio, data
+
+    def _create_pipelined(self, prepared: list[tuple[str, str, str, bytes]],
+                          detach: bool) -> list[Job]:
+        jobs: list[Job] = []
+        for start in range(0, len(prepared), _PIPELINE_WINDOW):
+            window = prepared[start:start + _PIPELINE_WINDOW]
+            calls = [self.zk.create_async(self.layout.entry_prefix(q, p, jid), data,
+                                          ephemeral=not detach, sequence=True)
+                     for jid, q, p, data in window]
+            for (jid, q, p, data), call in zip(window, calls, strict=True):
+                try:
+                    name = call.get().rsplit("/", 1)[1]
+                except ConnectionLoss:
+                    name = self._create_entry(q, p, jid, data, ephemeral=not detach)
+                jobs.append(Job(self, jid, q, p, name, detach=detach, owned=True))
+        return jobs
+
+    def _create_entry(self, queue: str, priority: str, job_id: str, data: bytes,
+                      ephemeral: bool) -> str:
+        """Create the entry exactly once: after a ConnectionLoss the create may have happened,
+        so look for the id in the children before creating again."""
+        prefix = self.layout.entry_prefix(queue, priority, job_id)
+        for _ in range(_CREATE_RETRIES):
+            try:
+                path: str = self.zk.create(prefix, data, ephemeral=ephemeral, sequence=True)
+                return path.rsplit("/", 1)[1]
+            except ConnectionLoss:
+                found = self._find_after_loss(queue, priority, job_id)
+                if found is not None:
+                    return found
+        raise ZkqConnectionError(f"could not enqueue job {job_id} after {_CREATE_RETRIES} tries")
+
+    def _find_after_loss(self, queue: str, priority: str, job_id: str) -> str | None:
+        for _ in range(_CREATE_RETRIES):
+            try:
+                return self.find_entry(queue, priority, job_id)
+            except ConnectionLoss:
+                continue
+        raise ZkqConnectionError(f"lost ZooKeeper at {self.settings.hosts} while enqueuing")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
+        """The entry name of a job in one priority, by scanning its children (O(depth))."""
+        prefix = f"{job_id}-"
+        try:
+            children = self.zk.get_children(self.layout.pending(queue, priority))
+        except NoNodeError:
+            return None
+        return next((c for c in children if c.startswith(prefix)), None)
+
+    def job(self, job_id: str, queue: str | None = None) -> Job:
+        """Find a job by id in one queue, or in every queue when ``queue`` is None."""
+        check_job_id(job_id)
+        with self.mapped():
+            for q in [check_queue(queue)] if queue else self.queue_names():
+                found = self._find_job(q, job_id)
+                if found is not None:
+                    return found
+        raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
+
+    def _find_job(self, queue: str, job_id: str) -> Job | None:
+        for priority in defaults.PRIORITIES:
+            name = self.find_entry(queue, priority, job_id)
+            if name is not None:
+                return Job(self, job_id, queue, priority, name)
+        try:
+            data, _ = self.zk.get(self.layout.result(queue, job_id))
+        except NoNodeError:
+            return None
+        record = json.loads(data)
+        return Job(self, job_id, queue, str(record.get("priority", defaults.PRIORITY)))
+
+    def queue_names(self) -> list[str]:
+        try:
+            return sorted(self.zk.get_children(self.layout.queues()))
+        except NoNodeError:
+            return []
+
+    def claim_of(self, queue: str, entry: str) -> dict[str, Any] | None:
+        try:
+            data, _ = self.zk.get(self.layout.claim(queue, entry))
+        except NoNodeError:
+            return None
+        parsed: dict[str, Any] = json.loads(data)
+        return parsed
+
+    def _ordered_entries(self, queue: str) -> list[tuple[str, EntryName]]:
+        """Every parseable entry of a queue in dispatch order, as (priority, name)."""
+        calls = [(p, self.zk.get_children_async(self.layout.pending(queue, p)))
+                 for p in defaults.PRIORITIES]
+        out: list[tuple[str, EntryName]] = []
+        for priority, call in calls:
+            try:
+                names = call.get()
+            except NoNodeError:
+                continue
+            parsed = [_parse_or_none(n) for n in names]
+            out.extend((priority, e) for e in sorted((e for e in parsed if e), key=_order))
+        return out
+
+    def _claimed(self, queue: str) -> set[str]:
+        try:
+            return set(self.zk.get_children(self.layout.claims(queue)))
+        except NoNodeError:
+            return set()
+
+    def position(self, queue: str, entry: str) -> int | None:
+        """1-based place among the queue's unclaimed entries in dispatch order."""
+        claimed = self._claimed(queue)
+        waiting = [e.name for _, e in self._ordered_entries(queue) if e.name not in claimed]
+        return waiting.index(entry) + 1 if entry in waiting else None
+
+    def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
+        """Pending and running jobs of a queue in dispatch order."""
+        check_queue(queue)
+        with self.mapped():
+            claimed = self._claimed(queue)
+            entries = self._ordered_entries(queue)[:limit]
+            stats = [self.zk.exists_async(self.layout.entry(queue, p, e.name)) for p, e in entries]
+            claims = {e.name: self.zk.get_async(self.layout.claim(queue, e.name))
+                      for _, e in entries if e.name in claimed}
+            rows, position = [], 0
+            for (priority, entry), stat_call in zip(entries, stats, strict=True):
+                stat = stat_call.get()
+                if stat is None:
+                    continue  # finished while we listed
+                row = {"id": entry.job_id, "queue": queue, "priority": priority,
+                       "attempts": stat.version, "submitted_at": stat.ctime / 1000}
+                if entry.name in claims:
+                    row.update(state=RUNNING, worker=_claim_worker(claims[entry.name]))
+                else:
+                    position += 1
+                    row.update(state=PENDING, position=position)
+                rows.append(row)
+            return rows
+
+    def stats(self) -> dict[str, Any]:
+        """Depth per queue and priority (running jobs included), running jobs, waiting slots,
+        results and dead letters, and live workers; each number is one stat read."""
+        with self.mapped():
+            queues = {q: self._queue_stats(q) for q in self.queue_names()}
+            workers = self.zk.exists(self.layout.workers())
+            return {"queues": queues, "workers": workers.numChildren if workers else 0}
+
+    def _queue_stats(self, queue: str) -> dict[str, Any]:
+        lay = self.layout
+        calls = {p: self.zk.exists_async(lay.pending(queue, p)) for p in defaults.PRIORITIES}
+        calls.update(running=self.zk.exists_async(lay.claims(queue)),
+                     idle_workers=self.zk.exists_async(lay.line(queue)),
+                     results=self.zk.exists_async(lay.results(queue)),
+                     dead=self.zk.exists_async(lay.dead(queue)))
+        counts = {k: (c.get().numChildren if c.get() else 0) for k, c in calls.items()}
+        depth = {p: counts.pop(p) for p in defaults.PRIORITIES}
+        return {"depth": depth, "pending": sum(depth.values()) - counts["running"], **counts}
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Registered workers' records (see docs/PROTOCOL.md)."""
+        with self.mapped():
+            try:
+                names = sorted(self.zk.get_children(self.layout.workers()))
+            except NoNodeError:
+                return []
+            calls = [self.zk.get_async(self.layout.worker(n)) for n in names]
+            records = []
+            for call in calls:
+                try:
+                    data, _ = call.get()
+                except NoNodeError:
+                    continue
+                records.append(json.loads(data))
+            return records
+
+
+def _order(entry: EntryName) -> int:
+    return entry.order
+
+
+def _parse_or_none(name: str) -> EntryName | None:
+    try:
+        return EntryName.parse(name)
+    except InvalidJob:
+        return None
+
+
+def _claim_worker(call: Any) -> str | None:
+    try:
+        data, _ = call.get()
+    except NoNodeError:
+        return None
+    worker: str | None = json.loads(data).get("worker")
+    return worker

@@ -1,0 +1,75 @@
+"""One exception root for zkq, layered by concern. Each class carries the CLI exit code it maps to."""
+
+from __future__ import annotations
+
+
+class ExitCode:
+    """Process exit codes of the ``zkq`` command (documented in README.md)."""
+
+    OK = 0
+    JOB_FAILED = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    TIMEOUT = 4
+    QUEUE_FULL = 5
+    UNAVAILABLE = 6
+    CONFIG = 7
+    INTERNAL = 70
+
+
+class ZkqError(Exception):
+    """Root of every error zkq raises on purpose."""
+
+    exit_code = ExitCode.INTERNAL
+
+
+class ConfigurationError(ZkqError):
+    """A setting is wrong: a bad root path, a model directory that is not a model, a bad size."""
+
+    exit_code = ExitCode.CONFIG
+
+
+class InvalidJob(ZkqError):
+    """A job spec was refused at the edge (unknown priority, empty prompt, bad number...)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class SpecTooLarge(InvalidJob):
+    """A job spec is larger than the documented limit; nothing was written."""
+
+
+class ResultTooLarge(ZkqError):
+    """A result record is larger than the documented limit."""
+
+    exit_code = ExitCode.JOB_FAILED
+
+
+class JobNotFound(ZkqError):
+    """No pending, running or finished job has this id."""
+
+    exit_code = ExitCode.NOT_FOUND
+
+
+class JobTimeout(ZkqError):
+    """The caller stopped waiting for a job."""
+
+    exit_code = ExitCode.TIMEOUT
+
+
+class QueueFull(ZkqError):
+    """The queue holds its maximum number of pending jobs; try again later."""
+
+    exit_code = ExitCode.QUEUE_FULL
+
+
+class ZkqConnectionError(ZkqError):
+    """ZooKeeper could not be reached, or the session was lost while waiting."""
+
+    exit_code = ExitCode.UNAVAILABLE
+
+
+class JobWithdrawn(ZkqError):
+    """The job's entry is gone and no result was recorded (an attached request withdrawn)."""
+
+    exit_code = ExitCode.JOB_FAILED

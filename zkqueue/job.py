@@ -1,0 +1,177 @@
+"""A handle on one submitted job: its state, its result, and cancelling it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kazoo.exceptions import NoNodeError
+
+from zkqueue import result as results
+from zkqueue.errors import JobNotFound, JobTimeout, JobWithdrawn
+from zkqueue.result import Result
+
+if TYPE_CHECKING:
+    from zkqueue.client import Client
+
+PENDING = "pending"
+RUNNING = "running"
+#: How often a waiter re-reads even without a watch firing: watches are hints, not guarantees.
+_RECHECK_SECONDS = 2.0
+
+
+class Job:
+    """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached request
+    on timeout and removes an attached result once read."""
+
+    def __init__(self, client: Client, job_id: str, queue: str, priority: str,
+                 entry: str | None = None, *, detach: bool = True, owned: bool = False) -> None:
+        self.client = client
+        self.id = job_id
+        self.queue = queue
+        self.priority = priority
+        self.entry = entry
+        self.detach = detach
+        self.owned = owned
+        self._result: Result | None = None
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, queue={self.queue!r}, priority={self.priority!r})"
+
+    @property
+    def entry_path(self) -> str | None:
+        if self.entry is None:
+            return None
+        return self.client.layout.entry(self.queue, self.priority, self.entry)
+
+    @property
+    def result_path(self) -> str:
+        return self.client.layout.result(self.queue, self.id)
+
+    def status(self) -> str:
+        """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
+        return str(self.info()["state"])
+
+    def info(self) -> dict[str, Any]:
+        """State plus details: queue position (1 = next) when pending, worker when running."""
+        if self._result is not None:
+            return self._finished_info(self._result)
+        with self.client.mapped():
+            return self._read_info()
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the result record. On timeout raise JobTimeout; the submitter's attached
+        request is withdrawn then (no GPU time is spent on an answer nobody reads)."""
+        if self._result is not None:
+            return self._result
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.client.mapped():
+            found = self._wait_result(deadline)
+        if found is None:
+            if self.owned and not self.detach:
+                self.withdraw()
+            raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
+        if self.owned and not self.detach:
+            self._forget_result()
+        self._result = found
+        return found
+
+    def cancel(self) -> bool:
+        """Cancel a pending or running job and record status cancelled. False if it had ended."""
+        zk = self.client.zk
+        with self.client.mapped():
+            self._locate()
+            entry_path = self.entry_path
+            if entry_path is None:
+                return False
+            try:
+                _, stat = zk.get(entry_path)
+            except NoNodeError:
+                return False
+            record = Result(id=self.id, queue=self.queue, priority=self.priority,
+                            status=results.CANCELLED, error="cancelled by request",
+                            attempts=stat.version, submitted_at=stat.ctime / 1000,
+                            finished_at=time.time())
+            txn = zk.transaction()
+            txn.create(self.result_path, record.to_bytes())
+            txn.delete(entry_path)
+            outcome = txn.commit()
+            return not any(isinstance(r, Exception) for r in outcome)
+
+    def withdraw(self) -> None:
+        """Delete the entry without a result: the caller no longer wants the answer."""
+        path = self.entry_path
+        if path is None:
+            return
+        try:
+            self.client.zk.delete(path)
+        except NoNodeError:
+            pass
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _wait_result(self, deadline: float | None) -> Result | None:
+        zk = self.client.zk
+        while True:
+            fired = threading.Event()
+            watch = _setter(fired)
+            entry_path = self.entry_path
+            # Read the entry before the result: complete() deletes the one and creates the other
+            # in a single transaction, so "no entry, then no result" means nothing will come.
+            entry_alive = entry_path is None or zk.exists(entry_path, watch=watch) is not None
+            if zk.exists(self.result_path, watch=watch) is not None:
+                data, _ = zk.get(self.result_path)
+                return Result.from_bytes(data)
+            if not entry_alive:
+                raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            fired.wait(_RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS))
+
+    def _forget_result(self) -> None:
+        try:
+            self.client.zk.delete(self.result_path)
+        except NoNodeError:
+            pass
+
+    def _locate(self) -> None:
+        """Find the entry name by scanning the priority's children (only for bare ids)."""
+        if self.entry is not None:
+            return
+        found = self.client.find_entry(self.queue, self.priority, self.id)
+        if found is not None:
+            self.entry = found
+
+    def _read_info(self) -> dict[str, Any]:
+        zk = self.client.zk
+        self._locate()
+        entry_path = self.entry_path
+        stat = zk.exists(entry_path) if entry_path else None
+        if stat is None:
+            try:
+                data, _ = zk.get(self.result_path)
+            except NoNodeError:
+                raise JobNotFound(f"job {self.id} has no entry and no result in queue "
+                                  f"{self.queue!r}") from None
+            return self._finished_info(Result.from_bytes(data))
+        info: dict[str, Any] = {"id": self.id, "queue": self.queue, "priority": self.priority,
+                                "attempts": stat.version, "submitted_at": stat.ctime / 1000}
+        claim = self.client.claim_of(self.queue, self.entry or "")
+        if claim is not None:
+            info.update(state=RUNNING, worker=claim.get("worker"))
+        else:
+            info.update(state=PENDING, position=self.client.position(self.queue, self.entry or ""))
+        return info
+
+    def _finished_info(self, record: Result) -> dict[str, Any]:
+        return {"id": self.id, "queue": self.queue, "priority": self.priority,
+                "state": record.status, "attempts": record.attempts, "worker": record.worker}
+
+
+def _setter(event: threading.Event) -> Any:
+    def watch(_event: object) -> None:
+        event.set()
+    return watch
+

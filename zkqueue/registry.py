@@ -1,0 +1,93 @@
+"""The worker registry: one EPHEMERAL node per live worker, refreshed every few seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from zkqueue.errors import ConfigurationError
+from zkqueue.layout import Layout
+
+
+@dataclass
+class WorkerRecord:
+    """What a worker tells the cluster about itself (JSON at <root>/workers/<id>)."""
+
+    id: str
+    queue: str
+    runner: str
+    slots_max: int
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    state: str = "starting"
+    slots_busy: int = 0
+    running: list[str] = field(default_factory=list)
+    #: Runner figures: model, device, dtype, weight_bytes...
+    runner_info: dict[str, Any] = field(default_factory=dict)
+    #: Memory figures in bytes when known: total, free, reserved, capacity.
+    memory: dict[str, Any] | None = None
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+class Registry:
+    """Registers one worker and keeps its record current."""
+
+    def __init__(self, zk: KazooClient, layout: Layout, record: WorkerRecord) -> None:
+        self.zk = zk
+        self.layout = layout
+        self.record = record
+
+    @property
+    def path(self) -> str:
+        return self.layout.worker(self.record.id)
+
+    def register(self, wait: float = 0.0) -> None:
+        """Create the node. A node left by an earlier session with this worker's name (a crashed
+        process restarted by systemd) is waited out for up to ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            self.record.updated_at = time.time()
+            try:
+                self.zk.create(self.path, self.record.to_bytes(), ephemeral=True, makepath=True)
+                return
+            except NodeExistsError:
+                stat = self.zk.exists(self.path)
+                if stat is not None and stat.ephemeralOwner == self.zk.client_id[0]:
+                    self.zk.set(self.path, self.record.to_bytes())
+                    return
+                if time.monotonic() >= deadline:
+                    raise ConfigurationError(
+                        f"worker name {self.record.id!r} is in use by a live worker") from None
+                _wait_gone(self.zk, self.path, deadline - time.monotonic())
+
+    def update(self) -> None:
+        self.record.updated_at = time.time()
+        try:
+            self.zk.set(self.path, self.record.to_bytes())
+        except NoNodeError:
+            self.register()
+
+    def unregister(self) -> None:
+        try:
+            self.zk.delete(self.path)
+        except NoNodeError:
+            pass
+
+
+def _wait_gone(zk: KazooClient, path: str, timeout: float) -> None:
+    gone = threading.Event()
+    if zk.exists(path, watch=lambda _e: gone.set()) is None:
+        return
+    gone.wait(max(timeout, 0.0))

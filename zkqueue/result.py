@@ -1,0 +1,72 @@
+"""The result record: the JSON stored at results/<id> when a job ends, whatever the reason."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from zkqueue import defaults
+from zkqueue.errors import ResultTooLarge
+
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+EXPIRED = "expired"
+TIMEOUT = "timeout"
+REJECTED = "rejected"
+DEAD = "dead"
+STATUSES = (SUCCEEDED, FAILED, CANCELLED, EXPIRED, TIMEOUT, REJECTED, DEAD)
+
+
+@dataclass
+class Result:
+    """How a job ended. Times are unix seconds; ``attempts`` counts claims of the job."""
+
+    id: str
+    queue: str
+    priority: str
+    status: str
+    output: str = ""
+    error: str | None = None
+    worker: str | None = None
+    attempts: int = 0
+    submitted_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    #: Runner figures (prompt_tokens, output_tokens, ttft_s, total_s...), flattened into the JSON.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        """Read a field by name, so a result reads like the JSON record it is."""
+        record = self.to_dict()
+        return record[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == SUCCEEDED
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        extra = record.pop("extra")
+        return {**extra, **record}
+
+    def to_bytes(self, limit: int = defaults.MAX_RESULT_BYTES) -> bytes:
+        data = json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+        if len(data) > limit:
+            raise ResultTooLarge(f"result record is {len(data)} bytes; the limit is {limit} bytes")
+        return data
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Result:
+        raw = json.loads(data.decode("utf-8"))
+        known = {f: raw.pop(f) for f in list(raw) if f in cls.__dataclass_fields__ and f != "extra"}
+        return cls(**known, extra=raw)
+
+
+def to_json(value: Any) -> bytes:
+    """Compact JSON for small records (claims, dead letters, registrations)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

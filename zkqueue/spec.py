@@ -1,0 +1,130 @@
+"""The job spec: the JSON stored in a pending entry. One place validates and (de)serializes it.
+
+Validation happens at the edges: producers refuse a bad spec before writing anything, and workers
+refuse an entry written by any other client (it is dead-lettered with the reason, never crashes them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zkqueue import defaults
+from zkqueue.errors import InvalidJob, SpecTooLarge
+
+SPEC_VERSION = 1
+_FIELDS = ("v", "prompt", "max_new_tokens", "temperature", "top_p", "seed", "max_runtime",
+           "queue_timeout")
+#: Fields a caller may pass as ``**params`` to ``Client.submit``.
+PARAMS = ("temperature", "top_p", "seed", "max_runtime", "queue_timeout")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run. The job's id, queue and priority live in its znode path, not here."""
+
+    prompt: str
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    #: Seconds the job may run once started before it ends with status ``timeout``.
+    max_runtime: float | None = None
+    #: Seconds the job may wait in the queue before it ends with status ``expired``.
+    queue_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_str("prompt", self.prompt)
+        _check_int("max_new_tokens", self.max_new_tokens, 1, defaults.MAX_NEW_TOKENS_LIMIT)
+        _check_opt_float("temperature", self.temperature, 0.0, 100.0)
+        _check_opt_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_opt_float("max_runtime", self.max_runtime, 0.0, 7 * 86400.0, low_open=True)
+        _check_opt_float("queue_timeout", self.queue_timeout, 0.0, 30 * 86400.0, low_open=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"v": SPEC_VERSION, "prompt": self.prompt,
+                               "max_new_tokens": self.max_new_tokens}
+        for name in PARAMS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def to_bytes(self, limit: int = defaults.MAX_SPEC_BYTES) -> bytes:
+        """Serialize; refuse (before anything is written) a spec over ``limit`` bytes."""
+        data = json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+        if len(data) > limit:
+            raise SpecTooLarge(f"job spec is {len(data)} bytes; the limit is {limit} bytes")
+        return data
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> JobSpec:
+        if not isinstance(raw, Mapping):
+            raise InvalidJob(f"job spec must be a JSON object, not {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise InvalidJob(f"unknown field(s) in job spec: {', '.join(map(str, unknown))}")
+        if "v" in raw and raw["v"] != SPEC_VERSION:
+            raise InvalidJob(f"unsupported spec version {raw['v']!r} (this zkq reads {SPEC_VERSION})")
+        if "prompt" not in raw:
+            raise InvalidJob("job spec has no prompt")
+        fields = {k: v for k, v in raw.items() if k != "v"}
+        return cls(**fields)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, limit: int = defaults.MAX_SPEC_BYTES) -> JobSpec:
+        """Parse an entry's data as written by any client; raise InvalidJob with the reason."""
+        if len(data) > limit:
+            raise SpecTooLarge(f"job spec is {len(data)} bytes; the limit is {limit} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidJob(f"job spec is not UTF-8: {exc}") from None
+        try:
+            raw = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidJob(f"job spec is not valid JSON: {exc}") from None
+        return cls.from_dict(raw)
+
+
+def build_spec(prompt: str, max_new_tokens: int | None, params: Mapping[str, Any]) -> JobSpec:
+    """Make a spec from producer arguments, refusing unknown parameters by name."""
+    unknown = sorted(set(params) - set(PARAMS))
+    if unknown:
+        raise InvalidJob(f"unknown job parameter(s): {', '.join(unknown)} "
+                         f"(known: {', '.join(PARAMS)})")
+    mnt = defaults.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    return JobSpec(prompt=prompt, max_new_tokens=mnt, **params)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid number")
+
+
+def _check_str(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise InvalidJob(f"{name} must be a string, not {type(value).__name__}")
+    if not value.strip():
+        raise InvalidJob(f"{name} must not be empty")
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJob(f"{name} must be an integer, not {value!r}")
+    if not low <= value <= high:
+        raise InvalidJob(f"{name} must be between {low} and {high}, not {value}")
+
+
+def _check_opt_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidJob(f"{name} must be a number, not {value!r}")
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        bound = f"{'above' if low_open else 'at least'} {low} and at most {high}"
+        raise InvalidJob(f"{name} must be {bound}, not {value}")
