@@ -142,9 +142,13 @@ class Worker:
     def busy(self) -> int:
         return len(self._held)
 
-    def run(self) -> None:
-        """Run until stopped (stop(), max_jobs, burst). Safe to call on any thread."""
+    def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Run until stopped (stop(), max_jobs, burst). Safe to call on any thread; ``on_ready``
+        is called once the worker is registered and in the line."""
         self.start()
+        self.ready.set()
+        if on_ready is not None:
+            on_ready()
         try:
             while self._step():
                 pass

@@ -1,0 +1,193 @@
+"""Fixtures: a real ZooKeeper (Debian's package) per session, a fresh root per test, in-process and
+subprocess workers, and bounded waits. The ZooKeeper log is printed when a test fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.protocol.states import Callback
+
+from workers.loop import Worker
+from workers.runners.base import Runner
+from workers.runners.echo import EchoRunner
+from zkqueue import Client
+from zkqueue.layout import Layout
+from zkqueue.zkserver import ZkCluster
+
+ZKQ = [sys.executable, "-m", "zkqueue.cli"]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             message: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+def flush_watches(zk: KazooClient) -> None:
+    """Return once every watch notification the server sent this session so far has run."""
+    zk.sync("/")
+    done = threading.Event()
+    zk.handler.dispatch_callback(Callback("watch", done.set, ()))
+    assert done.wait(10), "kazoo callback thread is stuck"
+
+
+@pytest.fixture(scope="session")
+def zk_cluster() -> Iterator[ZkCluster]:
+    cluster = ZkCluster(1).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    cluster = getattr(item, "funcargs", {}).get("zk_cluster")
+    if report.failed and cluster is not None:
+        report.sections.append(("ZooKeeper log", cluster.logs()))
+
+
+@pytest.fixture
+def root() -> str:
+    return f"/t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def hosts(zk_cluster: ZkCluster) -> str:
+    return zk_cluster.hosts
+
+
+@pytest.fixture
+def layout(root: str) -> Layout:
+    return Layout(root)
+
+
+@pytest.fixture
+def client(hosts: str, root: str) -> Iterator[Client]:
+    with Client(hosts, root, session_timeout=4.0) as c:
+        yield c
+
+
+@pytest.fixture
+def new_zk(hosts: str) -> Iterator[Callable[..., KazooClient]]:
+    """Open extra sessions (each is what one process would have); all closed at teardown."""
+    opened: list[KazooClient] = []
+
+    def make(timeout: float = 4.0) -> KazooClient:
+        zk = KazooClient(hosts=hosts, timeout=timeout)
+        zk.start(timeout=10)
+        opened.append(zk)
+        return zk
+
+    yield make
+    for zk in opened:
+        zk.stop()
+        zk.close()
+
+
+class WorkerThread:
+    """An in-process worker with its own session, run on a thread."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"worker-{worker.id}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:  # surfaced by the fixture
+            self.error = exc
+
+    def start(self) -> WorkerThread:
+        self.thread.start()
+        wait_for(lambda: self.worker.ready.is_set() or self.error, message="worker ready")
+        if self.error:
+            raise self.error
+        return self
+
+    def stop(self, drain: bool = False, timeout: float = 15.0) -> None:
+        self.worker.stop(drain=drain)
+        self.thread.join(timeout)
+
+
+@pytest.fixture
+def start_worker(new_zk: Callable[..., KazooClient],
+                 root: str) -> Iterator[Callable[..., WorkerThread]]:
+    started: list[WorkerThread] = []
+
+    def start(runner: Runner | None = None, **kwargs: Any) -> WorkerThread:
+        kwargs.setdefault("heartbeat_interval", 0.5)
+        zk = new_zk(kwargs.pop("session_timeout", 4.0))
+        handle = WorkerThread(Worker(zk, runner or EchoRunner(), root=root, **kwargs)).start()
+        started.append(handle)
+        return handle
+
+    yield start
+    for handle in started:
+        if handle.thread.is_alive():
+            handle.stop(drain=False)
+    for handle in started:
+        assert handle.error is None, f"worker {handle.worker.id} crashed: {handle.error!r}"
+
+
+@pytest.fixture
+def zkq(hosts: str, root: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run the zkq CLI as a subprocess against this test's root."""
+
+    def run(*args: str, input: str | None = None, timeout: float = 60.0,
+            zk: str | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [*ZKQ, "--zk", zk or hosts, "--root", root, "--session-timeout", "4", *args]
+        return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
+                              env=_env())
+
+    return run
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    return env
+
+
+@pytest.fixture
+def spawn_worker(hosts: str, root: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """Start ``zkq worker`` processes (killed at teardown); output goes to a log per process."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        log = open(tmp_path / f"worker-{len(procs)}.log", "w")  # noqa: SIM115
+        cmd = [*ZKQ, "--zk", hosts, "--root", root, "--session-timeout", "3",
+               "--log-level", "INFO", "worker", *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**_env(), **(env or {})})
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+
+def registered(client: Client, count: int) -> Callable[[], bool]:
+    return lambda: len(client.workers()) >= count
