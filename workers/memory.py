@@ -228,6 +228,8 @@ def make_probe(device: str, budget: int | None, weights_bytes: int) -> MemoryPro
     CUDA devices, else /proc/meminfo."""
     if budget is not None:
         return StaticBudget(budget, weights_bytes)
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
     if _is_cuda(device):
         return _gpu_probe(device, weights_bytes)
     return MeminfoProbe()
@@ -348,6 +350,15 @@ def _gpu_probe(device: str, weights_bytes: int) -> MemoryProbe:
     except Exception as exc:  # no pynvml, no driver library, no such device...
         log.info("NVML probe unavailable for %s (%s); using torch", device, exc)
     return TorchProbe(f"cuda:{index}", weights_bytes)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
 
 
 def _is_cuda(device: str) -> bool:

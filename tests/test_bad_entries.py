@@ -1,0 +1,81 @@
+"""Entries written by any client, however broken, never kill a worker: they are dead-lettered."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.runners import RecordingRunner
+from zkqueue import Client
+
+GARBAGE = [
+    ("badjson", b"{not json"),
+    ("notutf8", b"\xff\xfe\x00garbage"),
+    ("wrongtype", b'{"prompt": ["a list"]}'),
+    ("unknown", b'{"prompt": "x", "gpu": "please"}'),
+    ("hugenum", b'{"prompt": "x", "max_new_tokens": 1e400}'),
+    ("empty", b""),
+]
+
+
+def _dead(client: Client) -> dict[str, dict]:
+    path = client.layout.dead("default")
+    return {n: json.loads(client.zk.get(f"{path}/{n}")[0]) for n in client.zk.get_children(path)}
+
+
+def test_malformed_entries_are_dead_lettered_and_the_next_job_runs(client: Client,
+                                                                   start_worker) -> None:
+    client.ensure_queue("default")
+    pending = client.layout.pending("default", "high")
+    for job_id, data in GARBAGE:
+        client.zk.create(f"{pending}/{job_id}-", data, sequence=True)
+    client.zk.create(f"{pending}/no_sequence_here", b'{"prompt": "x"}')
+    good = client.submit("fine", priority="low", detach=True)
+    runner = RecordingRunner()
+    handle = start_worker(runner)
+    assert good.result(timeout=10).ok
+    assert runner.seen == ["fine"]
+    dead = _dead(client)
+    assert len(dead) == len(GARBAGE) + 1
+    reasons = {d["entry"].split("-")[0]: d["reason"] for d in dead.values()}
+    assert "not valid JSON" in reasons["badjson"]
+    assert "not UTF-8" in reasons["notutf8"]
+    assert "prompt must be a string" in reasons["wrongtype"]
+    assert "unknown field" in reasons["unknown"]
+    assert "is not <id>-<sequence>" in reasons["no_sequence_here"]
+    for job_id, _ in GARBAGE:
+        assert client.job(job_id).result(timeout=1).status == "dead"
+    assert handle.worker.stats.dead_lettered == len(GARBAGE) + 1
+
+
+def test_hand_written_entry_like_zkcli_runs(client: Client, start_worker) -> None:
+    """What docs/PROTOCOL.md tells other-language producers to do."""
+    client.ensure_queue("default")
+    pending = client.layout.pending("default", "normal")
+    path = client.zk.create(f"{pending}/handmade1-", b'{"prompt": "from zkCli"}', sequence=True)
+    start_worker()
+    assert path.rsplit("/", 1)[1].startswith("handmade1-")
+    record = client.job("handmade1").result(timeout=10)
+    assert (record.status, record.output) == ("succeeded", "from zkCli")
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=200))
+def test_random_bytes_in_real_znodes_never_stop_the_worker(client: Client, start_worker,
+                                                           data: bytes) -> None:
+    if not hasattr(client, "_hyp_worker"):
+        client._hyp_worker = start_worker()  # type: ignore[attr-defined]
+    client.ensure_queue("default")
+    pending = client.layout.pending("default", "normal")
+    path = client.zk.create(f"{pending}/fuzz-", data, sequence=True)
+    after = client.submit("still alive", detach=True)
+    assert after.result(timeout=10).ok
+    assert client.zk.exists(path) is None
+    record = client.job("fuzz").result(timeout=1) if client.zk.exists(
+        client.layout.result("default", "fuzz")) else None
+    if record is not None:
+        assert record.status in ("dead", "succeeded")
+        client.zk.delete(client.layout.result("default", "fuzz"))

@@ -1,0 +1,75 @@
+"""Fencing: a worker that lost its claim can never write a result or delete the job."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import wait_for
+from tests.runners import GateRunner
+from zkqueue import Client
+from zkqueue.claims import Claims
+from zkqueue.layout import EntryName
+from zkqueue.line import Line
+from zkqueue.result import Result
+
+
+def _claims(client: Client) -> list[str]:
+    return client.zk.get_children(client.layout.claims("default"))
+
+
+def test_stale_worker_whose_claim_was_deleted_cannot_complete(client: Client,
+                                                              start_worker) -> None:
+    stale_runner = GateRunner()
+    stale = start_worker(stale_runner, name="stale")
+    job = client.submit("once", detach=True)
+    wait_for(stale_runner.started.is_set, message="stale worker running the job")
+    [claim] = _claims(client)
+    assert json.loads(client.zk.get(client.layout.claim("default", claim))[0])["worker"] == "stale"
+
+    client.zk.delete(client.layout.claim("default", claim))  # e.g. a lease reclaimed
+    fresh = start_worker(name="fresh")
+    record = job.result(timeout=10)
+    stale_runner.gate.set()
+    wait_for(lambda: stale.worker.busy == 0, message="stale worker gave up")
+
+    assert (record.worker, record.attempts, record.status) == ("fresh", 2, "succeeded")
+    assert stale.worker.stats.completed == 0
+    assert stale.worker.stats.fenced == 1
+    assert fresh.worker.stats.completed == 1
+    assert client.zk.get_children(client.layout.results("default")) == [job.id]
+
+
+def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> None:
+    """The protocol itself, without the worker's watches: the multi fails as a whole."""
+    job = client.submit("x", detach=True)
+    zk_a, zk_b = new_zk(), new_zk()
+    lay = client.layout
+    a = Claims(zk_a, lay, "default", "a")
+    b = Claims(zk_b, lay, "default", "b")
+    from zkqueue.claims import Candidate
+    from zkqueue.spec import JobSpec
+
+    def candidate() -> Candidate:
+        data, stat = client.zk.get(job.entry_path or "")
+        return Candidate("normal", EntryName.parse(job.entry or ""), data, stat,
+                         JobSpec.from_bytes(data))
+
+    line_a = Line(zk_a, lay, "default", "a", lambda: None)
+    line_b = Line(zk_b, lay, "default", "b", lambda: None)
+    [claim_a] = a.claim([candidate()], line_a, rejoin=False) or []
+    zk_a.delete(lay.claim("default", claim_a.entry.name))  # A's claim vanishes
+    [claim_b] = b.claim([candidate()], line_b, rejoin=False) or []
+    assert (claim_a.token, claim_b.token) == (1, 2)
+
+    stale = Result(id=job.id, queue="default", priority="normal", status="succeeded",
+                   output="stale", worker="a")
+    assert a.complete(claim_a, stale, None) is False
+    assert a.release(claim_a) is False
+    assert client.zk.exists(lay.result("default", job.id)) is None
+    assert client.zk.exists(job.entry_path or "") is not None
+
+    fresh = Result(id=job.id, queue="default", priority="normal", status="succeeded",
+                   output="fresh", worker="b")
+    assert b.complete(claim_b, fresh, None) is True
+    assert client.job(job.id).result(timeout=1).output == "fresh"
+    assert b.complete(claim_b, fresh, None) is False  # and never twice

@@ -1,0 +1,36 @@
+"""Herd-freedom: with many idle workers, one new job wakes at most two sessions."""
+
+from __future__ import annotations
+
+from tests.conftest import flush_watches, wait_for
+from zkqueue import Client
+
+
+def _line_size(client: Client) -> int:
+    return len(client.zk.get_children(client.layout.line("default")))
+
+
+def test_one_job_wakes_at_most_two_of_ten_idle_workers(client: Client, start_worker) -> None:
+    handles = [start_worker(slots=1) for _ in range(10)]
+    wait_for(lambda: _line_size(client) == 10, message="ten workers in line")
+    client.ensure_queue("default")
+    for h in handles:
+        flush_watches(h.worker.zk)
+    for round_ in range(3):
+        before = [h.worker.stats.watch_events for h in handles]
+        record = client.submit(f"job {round_}").result(timeout=10)
+        assert record.ok
+        wait_for(lambda: _line_size(client) == 10, message="worker back in line")
+        for h in handles:
+            flush_watches(h.worker.zk)
+        woken = [h.worker.id for h, b in zip(handles, before, strict=True)
+                 if h.worker.stats.watch_events > b]
+        assert 1 <= len(woken) <= 2, f"round {round_}: {len(woken)} sessions woken: {woken}"
+
+
+def test_idle_line_holds_every_worker_once(client: Client, start_worker) -> None:
+    handles = [start_worker(slots=3) for _ in range(4)]
+    wait_for(lambda: _line_size(client) == 4, message="four workers in line")
+    owners = [client.zk.get(f"{client.layout.line('default')}/{n}")[0].decode()
+              for n in client.zk.get_children(client.layout.line("default"))]
+    assert sorted(owners) == sorted(h.worker.id for h in handles)

@@ -1,0 +1,94 @@
+"""Producer edge: refusing bad input before writing, and retrying without enqueuing twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kazoo.exceptions import ConnectionLoss
+
+from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError
+from zkqueue.errors import JobNotFound
+
+
+def _all_entries(client: Client) -> list[str]:
+    out = []
+    for p in ("high", "normal", "low"):
+        path = client.layout.pending("default", p)
+        if client.zk.exists(path):
+            out += client.zk.get_children(path)
+    return out
+
+
+def test_connection_loss_after_a_create_does_not_enqueue_twice(client: Client,
+                                                                monkeypatch) -> None:
+    """The create reaches ZooKeeper but its answer is lost: the retry finds it by its token."""
+    client.ensure_queue("default")
+    real_create = client.zk.create
+    calls: list[str] = []
+
+    def create_then_lose(path: str, *args: Any, **kwargs: Any) -> str:
+        calls.append(path)
+        real_create(path, *args, **kwargs)
+        if len(calls) == 1:
+            raise ConnectionLoss("answer lost")
+        raise AssertionError("a second create must not happen")
+
+    monkeypatch.setattr(client.zk, "create", create_then_lose)
+    job = client.submit("exactly once", detach=True)
+    assert len(calls) == 1
+    entries = _all_entries(client)
+    assert entries == [job.entry]
+    assert job.status() == "pending"
+
+
+def test_connection_loss_before_the_create_creates_it(client: Client, monkeypatch) -> None:
+    client.ensure_queue("default")
+    real_create = client.zk.create
+    calls: list[str] = []
+
+    def lose_then_create(path: str, *args: Any, **kwargs: Any) -> str:
+        calls.append(path)
+        if len(calls) == 1:
+            raise ConnectionLoss("request lost")
+        return str(real_create(path, *args, **kwargs))
+
+    monkeypatch.setattr(client.zk, "create", lose_then_create)
+    job = client.submit("once", detach=True)
+    assert len(calls) == 2
+    assert _all_entries(client) == [job.entry]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"prompt": "x", "priority": "urgent"}, InvalidJob, "unknown priority 'urgent'"),
+    ({"prompt": ""}, InvalidJob, "prompt must not be empty"),
+    ({"prompt": "x", "max_new_tokens": -1}, InvalidJob, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": "12"}, InvalidJob, "max_new_tokens must be an integer"),
+    ({"prompt": "x", "temperature": float("nan")}, InvalidJob, "temperature"),
+    ({"prompt": "x", "queue": "bad/name"}, InvalidJob, "bad queue name"),
+    ({"prompt": "x", "colour": "red"}, InvalidJob, "unknown job parameter"),
+    ({"prompt": "x" * 70000}, SpecTooLarge, "limit is 65536 bytes"),
+])
+def test_bad_input_is_refused_and_nothing_is_written(client: Client, kwargs: dict[str, Any],
+                                                     error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        client.submit(**kwargs, detach=True)
+    assert client.zk.exists(client.layout.queues()) is None
+
+
+def test_submit_many_validates_everything_first(client: Client) -> None:
+    with pytest.raises(InvalidJob, match="spec #2: prompt must not be empty"):
+        client.submit_many(["a", "b", ""])
+    assert client.zk.exists(client.layout.queues()) is None
+
+
+def test_unknown_job_id(client: Client) -> None:
+    with pytest.raises(JobNotFound):
+        client.job("0123456789abcdef")
+    with pytest.raises(InvalidJob):
+        client.job("../etc")
+
+
+def test_unreachable_zookeeper_is_a_clear_error() -> None:
+    with pytest.raises(ZkqConnectionError, match="cannot reach ZooKeeper at 127.0.0.1:1"):
+        Client("127.0.0.1:1", connect_timeout=0.5).start()
