@@ -28,8 +28,12 @@ from zkqueue.zkserver import ZkCluster
 ZKQ = [sys.executable, "-m", "zkqueue.cli"]
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             message: str = "condition") -> Any:
+def wait_for(
+    condition: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> Any:
     """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -130,8 +134,9 @@ class WorkerThread:
 
 
 @pytest.fixture
-def start_worker(new_zk: Callable[..., KazooClient],
-                 root: str) -> Iterator[Callable[..., WorkerThread]]:
+def start_worker(
+    new_zk: Callable[..., KazooClient], root: str
+) -> Iterator[Callable[..., WorkerThread]]:
     started: list[WorkerThread] = []
 
     def start(runner: Runner | None = None, **kwargs: Any) -> WorkerThread:
@@ -153,11 +158,13 @@ def start_worker(new_zk: Callable[..., KazooClient],
 def zkq(hosts: str, root: str) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run the zkq CLI as a subprocess against this test's root."""
 
-    def run(*args: str, input: str | None = None, timeout: float = 60.0,
-            zk: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, input: str | None = None, timeout: float = 60.0, zk: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [*ZKQ, "--zk", zk or hosts, "--root", root, "--session-timeout", "4", *args]
-        return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
-                              env=_env())
+        return subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, env=_env()
+        )
 
     return run
 
@@ -169,16 +176,30 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture
-def spawn_worker(hosts: str, root: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+def spawn_worker(
+    hosts: str, root: str, tmp_path: Path
+) -> Iterator[Callable[..., subprocess.Popen[str]]]:
     """Start ``zkq worker`` processes (killed at teardown); output goes to a log per process."""
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         log = open(tmp_path / f"worker-{len(procs)}.log", "w")  # noqa: SIM115
-        cmd = [*ZKQ, "--zk", hosts, "--root", root, "--session-timeout", "3",
-               "--log-level", "INFO", "worker", *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**_env(), **(env or {})})
+        cmd = [
+            *ZKQ,
+            "--zk",
+            hosts,
+            "--root",
+            root,
+            "--session-timeout",
+            "3",
+            "--log-level",
+            "INFO",
+            "worker",
+            *args,
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**_env(), **(env or {})}
+        )
         procs.append(proc)
         return proc
 

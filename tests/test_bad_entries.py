@@ -25,8 +25,9 @@ def _dead(client: Client) -> dict[str, dict]:
     return {n: json.loads(client.zk.get(f"{path}/{n}")[0]) for n in client.zk.get_children(path)}
 
 
-def test_malformed_entries_are_dead_lettered_and_the_next_job_runs(client: Client,
-                                                                   start_worker) -> None:
+def test_malformed_entries_are_dead_lettered_and_the_next_job_runs(
+    client: Client, start_worker
+) -> None:
     client.ensure_queue("default")
     pending = client.layout.pending("default", "high")
     for job_id, data in GARBAGE:
@@ -61,11 +62,13 @@ def test_hand_written_entry_like_zkcli_runs(client: Client, start_worker) -> Non
     assert (record.status, record.output) == ("succeeded", "from zkCli")
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.binary(max_size=200))
-def test_random_bytes_in_real_znodes_never_stop_the_worker(client: Client, start_worker,
-                                                           data: bytes) -> None:
+def test_random_bytes_in_real_znodes_never_stop_the_worker(
+    client: Client, start_worker, data: bytes
+) -> None:
     if not hasattr(client, "_hyp_worker"):
         client._hyp_worker = start_worker()  # type: ignore[attr-defined]
     client.ensure_queue("default")
@@ -74,8 +77,11 @@ def test_random_bytes_in_real_znodes_never_stop_the_worker(client: Client, start
     after = client.submit("still alive", detach=True)
     assert after.result(timeout=10).ok
     assert client.zk.exists(path) is None
-    record = client.job("fuzz").result(timeout=1) if client.zk.exists(
-        client.layout.result("default", "fuzz")) else None
+    record = (
+        client.job("fuzz").result(timeout=1)
+        if client.zk.exists(client.layout.result("default", "fuzz"))
+        else None
+    )
     if record is not None:
         assert record.status in ("dead", "succeeded")
         client.zk.delete(client.layout.result("default", "fuzz"))

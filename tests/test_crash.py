@@ -38,8 +38,13 @@ def test_poison_job_is_dead_lettered_after_max_attempts(client: Client, spawn_wo
     job = client.submit("poison", detach=True)
     for attempt in range(1, 3):
         victim = spawn_worker("--runner", "echo", "--echo-delay", "60", "--max-attempts", "2")
-        wait_for(lambda a=attempt: client.job(job.id).info().get("attempts") == a
-                 and _running_on(client, job.id), timeout=20, message=f"attempt {attempt}")
+        wait_for(
+            lambda a=attempt: (
+                client.job(job.id).info().get("attempts") == a and _running_on(client, job.id)
+            ),
+            timeout=20,
+            message=f"attempt {attempt}",
+        )
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
     spawn_worker("--runner", "echo", "--max-attempts", "2")

@@ -17,8 +17,7 @@ def _claims(client: Client) -> list[str]:
     return client.zk.get_children(client.layout.claims("default"))
 
 
-def test_stale_worker_whose_claim_was_deleted_cannot_complete(client: Client,
-                                                              start_worker) -> None:
+def test_stale_worker_whose_claim_was_deleted_cannot_complete(client: Client, start_worker) -> None:
     stale_runner = GateRunner()
     stale = start_worker(stale_runner, name="stale")
     job = client.submit("once", detach=True)
@@ -51,8 +50,9 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
 
     def candidate() -> Candidate:
         data, stat = client.zk.get(job.entry_path or "")
-        return Candidate("normal", EntryName.parse(job.entry or ""), data, stat,
-                         JobSpec.from_bytes(data))
+        return Candidate(
+            "normal", EntryName.parse(job.entry or ""), data, stat, JobSpec.from_bytes(data)
+        )
 
     line_a = Line(zk_a, lay, "default", "a", lambda: None)
     line_b = Line(zk_b, lay, "default", "b", lambda: None)
@@ -61,15 +61,27 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
     [claim_b] = b.claim([candidate()], line_b, rejoin=False) or []
     assert (claim_a.token, claim_b.token) == (1, 2)
 
-    stale = Result(id=job.id, queue="default", priority="normal", status="succeeded",
-                   output="stale", worker="a")
+    stale = Result(
+        id=job.id,
+        queue="default",
+        priority="normal",
+        status="succeeded",
+        output="stale",
+        worker="a",
+    )
     assert a.complete(claim_a, stale, None) is False
     assert a.release(claim_a) is False
     assert client.zk.exists(lay.result("default", job.id)) is None
     assert client.zk.exists(job.entry_path or "") is not None
 
-    fresh = Result(id=job.id, queue="default", priority="normal", status="succeeded",
-                   output="fresh", worker="b")
+    fresh = Result(
+        id=job.id,
+        queue="default",
+        priority="normal",
+        status="succeeded",
+        output="fresh",
+        worker="b",
+    )
     assert b.complete(claim_b, fresh, None) is True
     assert client.job(job.id).result(timeout=1).output == "fresh"
     assert b.complete(claim_b, fresh, None) is False  # and never twice

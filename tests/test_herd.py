@@ -23,14 +23,19 @@ def test_one_job_wakes_at_most_two_of_ten_idle_workers(client: Client, start_wor
         wait_for(lambda: _line_size(client) == 10, message="worker back in line")
         for h in handles:
             flush_watches(h.worker.zk)
-        woken = [h.worker.id for h, b in zip(handles, before, strict=True)
-                 if h.worker.stats.watch_events > b]
+        woken = [
+            h.worker.id
+            for h, b in zip(handles, before, strict=True)
+            if h.worker.stats.watch_events > b
+        ]
         assert 1 <= len(woken) <= 2, f"round {round_}: {len(woken)} sessions woken: {woken}"
 
 
 def test_idle_line_holds_every_worker_once(client: Client, start_worker) -> None:
     handles = [start_worker(slots=3) for _ in range(4)]
     wait_for(lambda: _line_size(client) == 4, message="four workers in line")
-    owners = [client.zk.get(f"{client.layout.line('default')}/{n}")[0].decode()
-              for n in client.zk.get_children(client.layout.line("default"))]
+    owners = [
+        client.zk.get(f"{client.layout.line('default')}/{n}")[0].decode()
+        for n in client.zk.get_children(client.layout.line("default"))
+    ]
     assert sorted(owners) == sorted(h.worker.id for h in handles)

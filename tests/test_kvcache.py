@@ -98,8 +98,8 @@ def test_parse_size(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "abc", "12 XB", "-5", "1.2.3", "GiB", "5 M B", "1e9", -1, True,
-                                  2.5])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "12 XB", "-5", "1.2.3", "GiB", "5 M B", "1e9", -1, True, 2.5])
 def test_parse_size_refuses_with_a_clear_error(text: object) -> None:
     with pytest.raises(InvalidSize) as info:
         parse_size(text)  # type: ignore[arg-type]

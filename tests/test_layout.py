@@ -23,8 +23,10 @@ def test_wrapped_sequence_sorts_after_the_largest_positive() -> None:
     assert small_negative.name == "c--000000005"
 
 
-@pytest.mark.parametrize("name", ["noseq", "abc-12", "abc-00000000012", "a b-0000000001",
-                                  "-0000000001", "abc-000000001x"])
+@pytest.mark.parametrize(
+    "name",
+    ["noseq", "abc-12", "abc-00000000012", "a b-0000000001", "-0000000001", "abc-000000001x"],
+)
 def test_malformed_entry_names_are_refused(name: str) -> None:
     with pytest.raises(InvalidJob):
         EntryName.parse(name)

@@ -20,8 +20,7 @@ def _all_entries(client: Client) -> list[str]:
     return out
 
 
-def test_connection_loss_after_a_create_does_not_enqueue_twice(client: Client,
-                                                                monkeypatch) -> None:
+def test_connection_loss_after_a_create_does_not_enqueue_twice(client: Client, monkeypatch) -> None:
     """The create reaches ZooKeeper but its answer is lost: the retry finds it by its token."""
     client.ensure_queue("default")
     real_create = client.zk.create
@@ -59,18 +58,22 @@ def test_connection_loss_before_the_create_creates_it(client: Client, monkeypatc
     assert _all_entries(client) == [job.entry]
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"prompt": "x", "priority": "urgent"}, InvalidJob, "unknown priority 'urgent'"),
-    ({"prompt": ""}, InvalidJob, "prompt must not be empty"),
-    ({"prompt": "x", "max_new_tokens": -1}, InvalidJob, "max_new_tokens"),
-    ({"prompt": "x", "max_new_tokens": "12"}, InvalidJob, "max_new_tokens must be an integer"),
-    ({"prompt": "x", "temperature": float("nan")}, InvalidJob, "temperature"),
-    ({"prompt": "x", "queue": "bad/name"}, InvalidJob, "bad queue name"),
-    ({"prompt": "x", "colour": "red"}, InvalidJob, "unknown job parameter"),
-    ({"prompt": "x" * 70000}, SpecTooLarge, "limit is 65536 bytes"),
-])
-def test_bad_input_is_refused_and_nothing_is_written(client: Client, kwargs: dict[str, Any],
-                                                     error: type[Exception], message: str) -> None:
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"prompt": "x", "priority": "urgent"}, InvalidJob, "unknown priority 'urgent'"),
+        ({"prompt": ""}, InvalidJob, "prompt must not be empty"),
+        ({"prompt": "x", "max_new_tokens": -1}, InvalidJob, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": "12"}, InvalidJob, "max_new_tokens must be an integer"),
+        ({"prompt": "x", "temperature": float("nan")}, InvalidJob, "temperature"),
+        ({"prompt": "x", "queue": "bad/name"}, InvalidJob, "bad queue name"),
+        ({"prompt": "x", "colour": "red"}, InvalidJob, "unknown job parameter"),
+        ({"prompt": "x" * 70000}, SpecTooLarge, "limit is 65536 bytes"),
+    ],
+)
+def test_bad_input_is_refused_and_nothing_is_written(
+    client: Client, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
     with pytest.raises(error, match=message):
         client.submit(**kwargs, detach=True)
     assert client.zk.exists(client.layout.queues()) is None
@@ -90,5 +93,5 @@ def test_unknown_job_id(client: Client) -> None:
 
 
 def test_unreachable_zookeeper_is_a_clear_error() -> None:
-    with pytest.raises(ZkqConnectionError, match="cannot reach ZooKeeper at 127.0.0.1:1"):
+    with pytest.raises(ZkqConnectionError, match=r"cannot reach ZooKeeper at 127\.0\.0\.1:1"):
         Client("127.0.0.1:1", connect_timeout=0.5).start()

@@ -13,8 +13,15 @@ from zkqueue.errors import JobNotFound
 
 
 def test_priority_then_fifo_with_one_worker(client: Client, start_worker) -> None:
-    plan = [("low", "l1"), ("normal", "n1"), ("high", "h1"), ("low", "l2"), ("high", "h2"),
-            ("normal", "n2"), ("high", "h3")]
+    plan = [
+        ("low", "l1"),
+        ("normal", "n1"),
+        ("high", "h1"),
+        ("low", "l2"),
+        ("high", "h2"),
+        ("normal", "n2"),
+        ("high", "h3"),
+    ]
     jobs = [client.submit(p, priority=prio, detach=True) for prio, p in plan]
     runner = RecordingRunner()
     start_worker(runner, slots=1)
@@ -38,11 +45,26 @@ def test_result_record_fields(client: Client, start_worker) -> None:
     before = time.time()
     record = client.submit("hello", priority="high", max_new_tokens=5).result(timeout=10)
     data = record.to_dict()
-    for field in ("id", "queue", "priority", "status", "output", "error", "worker", "attempts",
-                  "submitted_at", "started_at", "finished_at"):
+    for field in (
+        "id",
+        "queue",
+        "priority",
+        "status",
+        "output",
+        "error",
+        "worker",
+        "attempts",
+        "submitted_at",
+        "started_at",
+        "finished_at",
+    ):
         assert field in data
-    assert (record.status, record.output, record.priority, record.queue) == \
-        ("succeeded", "hello", "high", "default")
+    assert (record.status, record.output, record.priority, record.queue) == (
+        "succeeded",
+        "hello",
+        "high",
+        "default",
+    )
     assert record["output"] == "hello"
     assert before - 1 <= record.submitted_at <= record.started_at <= record.finished_at
     assert record.finished_at <= time.time() + 1
@@ -110,13 +132,18 @@ def test_cancel_running_job_stops_it(client: Client, start_worker) -> None:
     wait_for(lambda: runner.finished, message="runner stopped")
     assert runner.finished == [(job.id, "cancelled")]
     assert client.job(job.id).result(timeout=5).status == "cancelled"
-    wait_for(lambda: handle.worker.busy == 0 and not client.zk.get_children(
-        client.layout.claims("default")), message="claim dropped")
+    wait_for(
+        lambda: (
+            handle.worker.busy == 0 and not client.zk.get_children(client.layout.claims("default"))
+        ),
+        message="claim dropped",
+    )
     assert handle.worker.stats.completed == 0
 
 
-def test_attached_request_withdrawn_when_producer_goes_away(hosts: str, root: str,
-                                                            client: Client) -> None:
+def test_attached_request_withdrawn_when_producer_goes_away(
+    hosts: str, root: str, client: Client
+) -> None:
     producer = Client(hosts, root).start()
     job = producer.submit("orphan")
     assert client.list()[0]["id"] == job.id
@@ -126,8 +153,9 @@ def test_attached_request_withdrawn_when_producer_goes_away(hosts: str, root: st
         client.job(job.id)
 
 
-def test_running_attached_request_withdrawn_writes_no_result(hosts: str, root: str,
-                                                             client: Client, start_worker) -> None:
+def test_running_attached_request_withdrawn_writes_no_result(
+    hosts: str, root: str, client: Client, start_worker
+) -> None:
     runner = GateRunner()
     handle = start_worker(runner)
     producer = Client(hosts, root).start()

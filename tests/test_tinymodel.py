@@ -31,7 +31,8 @@ def test_loads_with_auto_classes(tiny_dir: Path) -> None:
     assert cfg.max_position_embeddings == CONTEXT_LENGTH
     assert cfg.vocab_size == len(tokenizer)
     assert 512 <= len(tokenizer) <= 1000
-    assert {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token} == {"<s>", "</s>", "<pad>"}
+    specials = (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token)
+    assert specials == ("<s>", "</s>", "<pad>")
     assert next(model.parameters()).dtype == torch.float32
 
 

@@ -26,9 +26,13 @@ class Decision:
 class Admission:
     """Slot counting is the worker's; this judges memory. Without an estimator every job fits."""
 
-    def __init__(self, estimate: Callable[[JobSpec], int] | None = None,
-                 free: Callable[[], int] | None = None, capacity: int | None = None,
-                 validate: Callable[[JobSpec], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        estimate: Callable[[JobSpec], int] | None = None,
+        free: Callable[[], int] | None = None,
+        capacity: int | None = None,
+        validate: Callable[[JobSpec], str | None] | None = None,
+    ) -> None:
         self._estimate = estimate
         self._free = free
         #: The largest need this worker could ever hold (idle, weights resident, reserve kept).
@@ -45,8 +49,11 @@ class Admission:
             return Decision(Verdict.ADMIT)
         need = self._estimate(spec)
         if self.capacity is not None and need > self.capacity:
-            return Decision(Verdict.NEVER, need,
-                            f"needs {need} bytes; this worker holds at most {self.capacity}")
+            return Decision(
+                Verdict.NEVER,
+                need,
+                f"needs {need} bytes; this worker holds at most {self.capacity}",
+            )
         free = self._free() - planned if self._free is not None else need
         if need > free:
             return Decision(Verdict.WAIT, need, f"needs {need} bytes; {free} free")

@@ -58,18 +58,32 @@ def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> 
     notifier = Notifier()
     zk = connect(settings)
     try:
-        worker = Worker(zk, runner, queue=opts.queue, root=root, slots=opts.max_concurrency,
-                        name=opts.name, max_jobs=opts.max_jobs, burst=opts.burst,
-                        drain_timeout=opts.drain_timeout,
-                        heartbeat_interval=_heartbeat(opts, notifier),
-                        max_attempts=opts.max_attempts, admission=admission,
-                        on_heartbeat=_watchdog(notifier))
+        worker = Worker(
+            zk,
+            runner,
+            queue=opts.queue,
+            root=root,
+            slots=opts.max_concurrency,
+            name=opts.name,
+            max_jobs=opts.max_jobs,
+            burst=opts.burst,
+            drain_timeout=opts.drain_timeout,
+            heartbeat_interval=_heartbeat(opts, notifier),
+            max_attempts=opts.max_attempts,
+            admission=admission,
+            on_heartbeat=_watchdog(notifier),
+        )
         _install_signals(worker, notifier)
 
         def ready() -> None:
             notifier.ready(f"worker {worker.id} on queue {opts.queue}")
-            log.info("worker %s ready on queue %s (%s, %d slot(s))", worker.id, opts.queue,
-                     runner.name, opts.max_concurrency)
+            log.info(
+                "worker %s ready on queue %s (%s, %d slot(s))",
+                worker.id,
+                opts.queue,
+                runner.name,
+                opts.max_concurrency,
+            )
 
         worker.run(on_ready=ready)
         return 0
@@ -89,6 +103,7 @@ def _watchdog(notifier: Notifier) -> Any:
     def beat(_worker: Worker) -> None:
         if notifier.watchdog_interval is not None:
             notifier.watchdog()
+
     return beat
 
 

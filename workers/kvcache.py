@@ -90,7 +90,7 @@ def parse_size(text: str | int) -> int:
         raise InvalidSize(f"a size must be a string or an integer, not {text!r}")
     match = _SIZE_RE.match(text)
     unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS and unit != "":
+    if match is None or (unit and unit not in _UNITS):
         raise InvalidSize(
             f"cannot read size {text!r}: use a number of bytes or a number with one of the units "
             "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"

@@ -7,6 +7,7 @@ run on kazoo's thread; they just post events. Runners run on an executor thread 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue as queue_mod
@@ -89,14 +90,24 @@ class _Batch:
 class Worker:
     """One worker process's loop on one queue. Constructor keywords are the configuration."""
 
-    def __init__(self, zk: KazooClient, runner: Runner, *, queue: str = defaults.QUEUE,
-                 root: str = defaults.ROOT, slots: int = defaults.WORKER_SLOTS,
-                 name: str | None = None, max_jobs: int | None = None, burst: bool = False,
-                 drain_timeout: float = defaults.DRAIN_TIMEOUT,
-                 heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
-                 max_attempts: int = defaults.MAX_ATTEMPTS, admission: Admission | None = None,
-                 max_batch: int | None = None,
-                 on_heartbeat: Callable[[Worker], None] | None = None) -> None:
+    def __init__(
+        self,
+        zk: KazooClient,
+        runner: Runner,
+        *,
+        queue: str = defaults.QUEUE,
+        root: str = defaults.ROOT,
+        slots: int = defaults.WORKER_SLOTS,
+        name: str | None = None,
+        max_jobs: int | None = None,
+        burst: bool = False,
+        drain_timeout: float = defaults.DRAIN_TIMEOUT,
+        heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
+        max_attempts: int = defaults.MAX_ATTEMPTS,
+        admission: Admission | None = None,
+        max_batch: int | None = None,
+        on_heartbeat: Callable[[Worker], None] | None = None,
+    ) -> None:
         self.zk = zk
         self.runner = runner
         self.queue = check_queue(queue)
@@ -117,9 +128,17 @@ class Worker:
         self.line = Line(zk, self.layout, self.queue, self.id, lambda: self._post("line"))
         self.view = PendingView(zk, self.layout, self.queue, lambda p: self._post("pending", p))
         self.claims = Claims(zk, self.layout, self.queue, self.id)
-        self.registry = Registry(zk, self.layout, WorkerRecord(
-            id=self.id, queue=self.queue, runner=runner.name, slots_max=slots,
-            runner_info=runner.describe()))
+        self.registry = Registry(
+            zk,
+            self.layout,
+            WorkerRecord(
+                id=self.id,
+                queue=self.queue,
+                runner=runner.name,
+                slots_max=slots,
+                runner_info=runner.describe(),
+            ),
+        )
         self._events: queue_mod.Queue[tuple[Any, ...]] = queue_mod.Queue()
         self._held: dict[str, _Held] = {}
         self._to_complete: deque[tuple[_Held, Outcome]] = deque()
@@ -157,10 +176,8 @@ class Worker:
 
     def start(self) -> None:
         for path in self.layout.queue_dirs(self.queue):
-            try:
+            with contextlib.suppress(NodeExistsError):
                 self.zk.create(path, makepath=True)
-            except NodeExistsError:
-                pass
         self.zk.add_listener(self._on_state)
         self.registry.register(wait=self.zk_session_timeout)
         self.state = RUNNING
@@ -229,8 +246,9 @@ class Worker:
         idle = not self._held and not self._to_complete
         if self.state == DRAINING:
             self._check_drain_deadline()
-            return idle or (self._release_deadline is not None
-                            and time.monotonic() > self._release_deadline)
+            return idle or (
+                self._release_deadline is not None and time.monotonic() > self._release_deadline
+            )
         if self.max_jobs is not None and self.stats.claimed >= self.max_jobs and idle:
             return True
         return self.burst and self._queue_empty and idle
@@ -276,7 +294,7 @@ class Worker:
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         chunk = max(free * 2, 4)
         for start in range(0, len(ordered), chunk):
-            part = ordered[start:start + chunk]
+            part = ordered[start : start + chunk]
             calls = [self.zk.get_async(self.claims.entry_path(p, e)) for p, e in part]
             for (priority, entry), call in zip(part, calls, strict=True):
                 try:
@@ -292,8 +310,9 @@ class Worker:
                         return picked
         return picked
 
-    def _judge(self, priority: str, entry: EntryName, data: bytes, stat: Any,
-               planned: int) -> Candidate | None:
+    def _judge(
+        self, priority: str, entry: EntryName, data: bytes, stat: Any, planned: int
+    ) -> Candidate | None:
         """A candidate if this worker should claim the entry now; otherwise deal with it."""
         try:
             spec = JobSpec.from_bytes(data)
@@ -301,13 +320,20 @@ class Worker:
             self._letter(priority, entry.name, data, stat, f"invalid job spec: {exc}", entry.job_id)
             return None
         if stat.version >= self.max_attempts:
-            reason = (f"claimed {stat.version} times without finishing "
-                      f"(max_attempts={self.max_attempts}): a poison job or crashing workers")
+            reason = (
+                f"claimed {stat.version} times without finishing "
+                f"(max_attempts={self.max_attempts}): a poison job or crashing workers"
+            )
             self._letter(priority, entry.name, data, stat, reason, entry.job_id)
             return None
         if spec.queue_timeout is not None and time.time() - stat.ctime / 1000 > spec.queue_timeout:
-            self._end_unclaimed(priority, entry, stat, results.EXPIRED,
-                                f"not started within queue_timeout of {spec.queue_timeout:g}s")
+            self._end_unclaimed(
+                priority,
+                entry,
+                stat,
+                results.EXPIRED,
+                f"not started within queue_timeout of {spec.queue_timeout:g}s",
+            )
             return None
         decision = self.admission.judge(spec, planned)
         if decision.verdict == Verdict.ADMIT:
@@ -316,8 +342,9 @@ class Worker:
             log.info("job %s cannot run here: %s", entry.job_id, decision.reason)
         return None
 
-    def _letter(self, priority: str, name: str, data: bytes, stat: Any, reason: str,
-                job_id: str | None) -> None:
+    def _letter(
+        self, priority: str, name: str, data: bytes, stat: Any, reason: str, job_id: str | None
+    ) -> None:
         if self.claims.dead_letter(priority, name, data, stat, reason, job_id):
             self.stats.dead_lettered += 1
 
@@ -328,29 +355,51 @@ class Worker:
                     data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
                 except NoNodeError:
                     continue
-                self._letter(priority, name, data, stat,
-                             f"entry name {name!r} is not <id>-<sequence>", None)
+                self._letter(
+                    priority, name, data, stat, f"entry name {name!r} is not <id>-<sequence>", None
+                )
             names.clear()
 
-    def _end_unclaimed(self, priority: str, entry: EntryName, stat: Any, status: str,
-                       error: str) -> None:
-        record = Result(id=entry.job_id, queue=self.queue, priority=priority, status=status,
-                        error=error, worker=self.id, attempts=stat.version,
-                        submitted_at=stat.ctime / 1000, finished_at=time.time())
+    def _end_unclaimed(
+        self, priority: str, entry: EntryName, stat: Any, status: str, error: str
+    ) -> None:
+        record = Result(
+            id=entry.job_id,
+            queue=self.queue,
+            priority=priority,
+            status=status,
+            error=error,
+            worker=self.id,
+            attempts=stat.version,
+            submitted_at=stat.ctime / 1000,
+            finished_at=time.time(),
+        )
         self.claims.finish(priority, entry, stat, record)
 
     # -- running -----------------------------------------------------------------------------
 
     def _start(self, claimed: list[Claim], need: int) -> None:
         self.stats.claimed += len(claimed)
-        held = [_Held(c, RunningJob(id=c.id, spec=c.spec, priority=c.priority, queue=self.queue,
-                                    attempts=c.token, claimed_at=c.claimed_at)) for c in claimed]
+        held = [
+            _Held(
+                c,
+                RunningJob(
+                    id=c.id,
+                    spec=c.spec,
+                    priority=c.priority,
+                    queue=self.queue,
+                    attempts=c.token,
+                    claimed_at=c.claimed_at,
+                ),
+            )
+            for c in claimed
+        ]
         for h in held:
             self._held[h.claim.entry.name] = h
         for h in held:
             self._watch_entry(h)
         for start in range(0, len(held), self.max_batch):
-            batch = _Batch(held[start:start + self.max_batch], need)
+            batch = _Batch(held[start : start + self.max_batch], need)
             self._executor.submit(self._execute, batch)
         log.info("claimed %s", ", ".join(f"{h.claim.id}({h.claim.priority})" for h in held))
 
@@ -419,10 +468,20 @@ class Worker:
 
     def _complete(self, held: _Held, outcome: Outcome) -> bool:
         claim = held.claim
-        record = Result(id=claim.id, queue=self.queue, priority=claim.priority,
-                        status=outcome.status, output=outcome.output, error=outcome.error,
-                        worker=self.id, attempts=claim.token, submitted_at=claim.submitted_at,
-                        started_at=claim.claimed_at, finished_at=time.time(), extra=outcome.extra)
+        record = Result(
+            id=claim.id,
+            queue=self.queue,
+            priority=claim.priority,
+            status=outcome.status,
+            output=outcome.output,
+            error=outcome.error,
+            worker=self.id,
+            attempts=claim.token,
+            submitted_at=claim.submitted_at,
+            started_at=claim.claimed_at,
+            finished_at=time.time(),
+            extra=outcome.extra,
+        )
         last = len(self._to_complete) == 1
         rejoin = last and self.state == RUNNING and not self.line.joined and self._room_after()
         try:

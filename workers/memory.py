@@ -13,8 +13,8 @@ the admission figure, already net of those promises:
   torch's figures (CUDA not initialised in this process) the whole ledger is subtracted.
 * ``MeminfoProbe`` (CPU without a budget): ``MemAvailable`` from /proc/meminfo minus the ledger.
 
-Choose one with ``make_probe``. Create GPU probes after the model is loaded, in the process that runs
-it, so torch's figures describe the same allocations as the ledger.
+Choose one with ``make_probe``. Create GPU probes after the model is loaded, in the process that
+runs it, so torch's figures describe the same allocations as the ledger.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ is gibberish, but deterministic: the same seed writes byte-identical weights.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -116,7 +117,8 @@ def _random_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     A private generator keeps the result independent of transformers' own init and of the global
     torch RNG state.
     """
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):

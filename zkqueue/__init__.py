@@ -20,6 +20,19 @@ from zkqueue.result import Result
 from zkqueue.spec import JobSpec
 
 __version__ = "0.1.0"
-__all__ = ["Client", "ConfigurationError", "InvalidJob", "Job", "JobNotFound", "JobSpec",
-           "JobTimeout", "JobWithdrawn", "QueueFull", "Result", "ResultTooLarge", "SpecTooLarge",
-           "ZkqConnectionError", "ZkqError"]
+__all__ = [
+    "Client",
+    "ConfigurationError",
+    "InvalidJob",
+    "Job",
+    "JobNotFound",
+    "JobSpec",
+    "JobTimeout",
+    "JobWithdrawn",
+    "QueueFull",
+    "Result",
+    "ResultTooLarge",
+    "SpecTooLarge",
+    "ZkqConnectionError",
+    "ZkqError",
+]

@@ -92,8 +92,18 @@ class Claims:
             log.debug("claim of %d entries lost a race: %s", len(picked), _first_error(outcome))
             return None
         line.committed(left, outcome[-1] if rejoin else None)
-        return [Claim(self.queue, c.priority, c.entry, c.spec, c.stat.version + 1,
-                      c.stat.ctime / 1000, now) for c in picked]
+        return [
+            Claim(
+                self.queue,
+                c.priority,
+                c.entry,
+                c.spec,
+                c.stat.version + 1,
+                c.stat.ctime / 1000,
+                now,
+            )
+            for c in picked
+        ]
 
     def complete(self, claim: Claim, record: Result, line: Line | None) -> bool:
         """Write the result and remove the job, fenced by the token. False if we were fenced
@@ -112,8 +122,9 @@ class Claims:
             line.add_join(txn)
         outcome = txn.commit()
         if _failed(outcome):
-            log.warning("job %s: result not written, fenced out (%s)", claim.id,
-                        _first_error(outcome))
+            log.warning(
+                "job %s: result not written, fenced out (%s)", claim.id, _first_error(outcome)
+            )
             return False
         if line is not None:
             line.committed(False, outcome[-1])
@@ -136,27 +147,50 @@ class Claims:
         except NoNodeError:
             pass
 
-    def dead_letter(self, priority: str, name: str, data: bytes, stat: ZnodeStat | None,
-                    reason: str, job_id: str | None) -> bool:
-        """Move an entry to dead/ with the reason, and record a ``dead`` result when it has an id."""
+    def dead_letter(
+        self,
+        priority: str,
+        name: str,
+        data: bytes,
+        stat: ZnodeStat | None,
+        reason: str,
+        job_id: str | None,
+    ) -> bool:
+        """Move an entry to dead/ with the reason; record a ``dead`` result when it has an id."""
         now = time.time()
-        letter: dict[str, Any] = {"id": job_id, "queue": self.queue, "priority": priority,
-                                  "entry": name, "reason": reason, "worker": self.worker_id,
-                                  "dead_at": now, **_raw_payload(data)}
+        letter: dict[str, Any] = {
+            "id": job_id,
+            "queue": self.queue,
+            "priority": priority,
+            "entry": name,
+            "reason": reason,
+            "worker": self.worker_id,
+            "dead_at": now,
+            **_raw_payload(data),
+        }
         record = None
         if job_id is not None:
-            record = Result(id=job_id, queue=self.queue, priority=priority, status=results.DEAD,
-                            error=reason, worker=self.worker_id,
-                            attempts=stat.version if stat else 0,
-                            submitted_at=stat.ctime / 1000 if stat else None, finished_at=now)
+            record = Result(
+                id=job_id,
+                queue=self.queue,
+                priority=priority,
+                status=results.DEAD,
+                error=reason,
+                worker=self.worker_id,
+                attempts=stat.version if stat else 0,
+                submitted_at=stat.ctime / 1000 if stat else None,
+                finished_at=now,
+            )
         # A hand-made entry may reuse an id that already has a result: then letter it alone.
         for with_result in (True, False) if record else (False,):
             txn = self.zk.transaction()
             txn.create(self.layout.dead_node(self.queue, name), to_json(letter))
             if with_result and record is not None:
                 txn.create(self.layout.result(self.queue, record.id), record.to_bytes())
-            txn.delete(self.layout.entry(self.queue, priority, name),
-                       stat.version if stat is not None else -1)
+            txn.delete(
+                self.layout.entry(self.queue, priority, name),
+                stat.version if stat is not None else -1,
+            )
             outcome = txn.commit()
             if not _failed(outcome):
                 log.warning("dead-lettered %s/%s: %s", priority, name, reason)
@@ -185,7 +219,7 @@ def _first_error(outcome: list[Any]) -> str:
 
 def _raw_payload(data: bytes) -> dict[str, Any]:
     """The entry's bytes for the dead letter: text when it is UTF-8, else base64; capped."""
-    data = data[:16 * 1024]
+    data = data[: 16 * 1024]
     try:
         return {"raw": data.decode("utf-8")}
     except UnicodeDecodeError:

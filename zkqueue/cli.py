@@ -1,4 +1,4 @@
-"""The ``zkq`` command. It only maps options onto library calls; exit codes are in errors.ExitCode."""
+"""The ``zkq`` command: it only maps options onto library calls. Exit codes: errors.ExitCode."""
 
 from __future__ import annotations
 
@@ -21,8 +21,12 @@ _CTX = {"auto_envvar_prefix": "ZKQ", "help_option_names": ["-h", "--help"]}
 
 def _client(ctx: click.Context) -> Client:
     o = ctx.obj
-    return Client(o["zk"], o["root"], session_timeout=o["session_timeout"],
-                  connect_timeout=o["connect_timeout"])
+    return Client(
+        o["zk"],
+        o["root"],
+        session_timeout=o["session_timeout"],
+        connect_timeout=o["connect_timeout"],
+    )
 
 
 def _emit(data: Any) -> None:
@@ -35,6 +39,7 @@ def _exit_for(record: Result) -> int:
 
 def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     """Turn zkq errors into a one-line message on stderr and the documented exit code."""
+
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -42,24 +47,56 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except ZkqError as exc:
             click.echo(f"zkq: {exc}", err=True)
             sys.exit(exc.exit_code)
+
     return wrapper
 
 
 @click.group(context_settings=_CTX)
-@click.option("--zk", default=defaults.HOSTS, show_default=True, envvar="ZKQ_ZK",
-              help="ZooKeeper connection string (host:port[,host:port...]).")
-@click.option("--root", default=defaults.ROOT, show_default=True, envvar="ZKQ_ROOT",
-              help="Root znode of this zkq installation.")
-@click.option("--session-timeout", type=float, default=defaults.SESSION_TIMEOUT,
-              show_default=True, envvar="ZKQ_SESSION_TIMEOUT", help="Session timeout, seconds.")
-@click.option("--connect-timeout", type=float, default=defaults.CONNECT_TIMEOUT,
-              show_default=True, envvar="ZKQ_CONNECT_TIMEOUT",
-              help="Give up reaching ZooKeeper after this many seconds.")
-@click.option("--log-level", default="WARNING", envvar="ZKQ_LOG_LEVEL",
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option(
+    "--zk",
+    default=defaults.HOSTS,
+    show_default=True,
+    envvar="ZKQ_ZK",
+    help="ZooKeeper connection string (host:port[,host:port...]).",
+)
+@click.option(
+    "--root",
+    default=defaults.ROOT,
+    show_default=True,
+    envvar="ZKQ_ROOT",
+    help="Root znode of this zkq installation.",
+)
+@click.option(
+    "--session-timeout",
+    type=float,
+    default=defaults.SESSION_TIMEOUT,
+    show_default=True,
+    envvar="ZKQ_SESSION_TIMEOUT",
+    help="Session timeout, seconds.",
+)
+@click.option(
+    "--connect-timeout",
+    type=float,
+    default=defaults.CONNECT_TIMEOUT,
+    show_default=True,
+    envvar="ZKQ_CONNECT_TIMEOUT",
+    help="Give up reaching ZooKeeper after this many seconds.",
+)
+@click.option(
+    "--log-level",
+    default="WARNING",
+    envvar="ZKQ_LOG_LEVEL",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
 @click.pass_context
-def cli(ctx: click.Context, zk: str, root: str, session_timeout: float, connect_timeout: float,
-        log_level: str) -> None:
+def cli(
+    ctx: click.Context,
+    zk: str,
+    root: str,
+    session_timeout: float,
+    connect_timeout: float,
+    log_level: str,
+) -> None:
     """zkq: a priority job queue for GPU inference on ZooKeeper.
 
     \b
@@ -69,36 +106,65 @@ def cli(ctx: click.Context, zk: str, root: str, session_timeout: float, connect_
       zkq submit --detach --json "Summarize this" | jq -r .id
       zkq status ID; zkq result ID --wait --timeout 60
     """
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if log_level.upper() != "DEBUG":  # kazoo logs every refused connection attempt
         logging.getLogger("kazoo.client").setLevel(logging.ERROR)
-    ctx.obj = {"zk": zk, "root": root, "session_timeout": session_timeout,
-               "connect_timeout": connect_timeout}
+    ctx.obj = {
+        "zk": zk,
+        "root": root,
+        "session_timeout": session_timeout,
+        "connect_timeout": connect_timeout,
+    }
 
 
 @cli.command()
 @click.argument("prompt", required=False, default="-")
-@click.option("--priority", type=click.Choice(defaults.PRIORITIES), default=defaults.PRIORITY,
-              show_default=True)
+@click.option(
+    "--priority",
+    type=click.Choice(defaults.PRIORITIES),
+    default=defaults.PRIORITY,
+    show_default=True,
+)
 @click.option("--queue", default=defaults.QUEUE, show_default=True)
-@click.option("--max-new-tokens", type=int, default=None,
-              help=f"Tokens to generate (default {defaults.MAX_NEW_TOKENS}).")
+@click.option(
+    "--max-new-tokens",
+    type=int,
+    default=None,
+    help=f"Tokens to generate (default {defaults.MAX_NEW_TOKENS}).",
+)
 @click.option("--detach", is_flag=True, help="Enqueue a persistent job and print its id.")
-@click.option("--timeout", type=float, default=None,
-              help="Stop waiting after SECONDS; the request is withdrawn.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Stop waiting after SECONDS; the request is withdrawn.",
+)
 @click.option("--temperature", type=float, default=None)
 @click.option("--top-p", type=float, default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--max-runtime", type=float, default=None, help="Seconds the job may run.")
-@click.option("--queue-timeout", type=float, default=None,
-              help="Seconds the job may wait to start before it expires.")
+@click.option(
+    "--queue-timeout",
+    type=float,
+    default=None,
+    help="Seconds the job may wait to start before it expires.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.pass_context
 @handles_errors
-def submit(ctx: click.Context, prompt: str, priority: str, queue: str,
-           max_new_tokens: int | None, detach: bool, timeout: float | None, as_json: bool,
-           **params: Any) -> None:
+def submit(
+    ctx: click.Context,
+    prompt: str,
+    priority: str,
+    queue: str,
+    max_new_tokens: int | None,
+    detach: bool,
+    timeout: float | None,
+    as_json: bool,
+    **params: Any,
+) -> None:
     """Submit PROMPT (or stdin with '-' or no PROMPT) and print the output.
 
     \b
@@ -110,8 +176,14 @@ def submit(ctx: click.Context, prompt: str, priority: str, queue: str,
     text = sys.stdin.read() if prompt == "-" else prompt
     extra = {k: v for k, v in params.items() if v is not None}
     with _client(ctx) as client:
-        job = client.submit(text, priority=priority, queue=queue, max_new_tokens=max_new_tokens,
-                            detach=detach, **extra)
+        job = client.submit(
+            text,
+            priority=priority,
+            queue=queue,
+            max_new_tokens=max_new_tokens,
+            detach=detach,
+            **extra,
+        )
         if detach:
             _emit({"id": job.id}) if as_json else click.echo(job.id)
             return
@@ -137,8 +209,14 @@ def _print_result(record: Result, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
-def result(ctx: click.Context, job_id: str, queue: str | None, wait: bool,
-           timeout: float | None, as_json: bool) -> None:
+def result(
+    ctx: click.Context,
+    job_id: str,
+    queue: str | None,
+    wait: bool,
+    timeout: float | None,
+    as_json: bool,
+) -> None:
     """Print a job's result (exit 4 when it has none yet)."""
     with _client(ctx) as client:
         job = client.job(job_id, queue)
@@ -200,8 +278,10 @@ def ls(ctx: click.Context, queue: str, limit: int | None, as_json: bool) -> None
         return
     for row in rows:
         where = row.get("worker") or f"#{row.get('position')}"
-        click.echo(f"{row['id']}  {row['priority']:<6}  {row['state']:<7}  {where}  "
-                   f"attempts={row['attempts']}")
+        click.echo(
+            f"{row['id']}  {row['priority']:<6}  {row['state']:<7}  {where}  "
+            f"attempts={row['attempts']}"
+        )
 
 
 @cli.command()
@@ -217,8 +297,10 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         return
     for name, q in data["queues"].items():
         depth = " ".join(f"{p}={n}" for p, n in q["depth"].items())
-        click.echo(f"{name}: {depth}  pending={q['pending']} running={q['running']} "
-                   f"idle_workers={q['idle_workers']} results={q['results']} dead={q['dead']}")
+        click.echo(
+            f"{name}: {depth}  pending={q['pending']} running={q['running']} "
+            f"idle_workers={q['idle_workers']} results={q['results']} dead={q['dead']}"
+        )
     click.echo(f"workers: {data['workers']}")
 
 
@@ -235,26 +317,42 @@ def workers(ctx: click.Context, as_json: bool) -> None:
         return
     for r in records:
         mem = r.get("memory") or {}
-        mem_text = (f" mem free {mem.get('free', 0) / 2**20:.0f}/{mem.get('total', 0) / 2**20:.0f}"
-                    " MiB" if mem else "")
-        click.echo(f"{r['id']}  queue={r['queue']} {r['runner']} {r['state']} "
-                   f"slots {r['slots_busy']}/{r['slots_max']}{mem_text} "
-                   f"running={','.join(r['running']) or '-'}")
+        mem_text = (
+            f" mem free {mem.get('free', 0) / 2**20:.0f}/{mem.get('total', 0) / 2**20:.0f} MiB"
+            if mem
+            else ""
+        )
+        click.echo(
+            f"{r['id']}  queue={r['queue']} {r['runner']} {r['state']} "
+            f"slots {r['slots_busy']}/{r['slots_max']}{mem_text} "
+            f"running={','.join(r['running']) or '-'}"
+        )
 
 
 @cli.command()
 @click.option("--queue", default=defaults.QUEUE, show_default=True)
 @click.option("--runner", type=click.Choice(["echo"]), default="echo", show_default=True)
-@click.option("--echo-delay", type=float, default=defaults.ECHO_DELAY, show_default=True,
-              help="Seconds the echo runner takes per batch.")
-@click.option("--max-concurrency", type=int, default=defaults.WORKER_SLOTS, show_default=True,
-              help="Slots: jobs this worker runs at once.")
+@click.option(
+    "--echo-delay",
+    type=float,
+    default=defaults.ECHO_DELAY,
+    show_default=True,
+    help="Seconds the echo runner takes per batch.",
+)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=defaults.WORKER_SLOTS,
+    show_default=True,
+    help="Slots: jobs this worker runs at once.",
+)
 @click.option("--name", default=None, help="Worker id (default host-pid-random).")
 @click.option("--max-jobs", type=int, default=None, help="Exit after claiming N jobs.")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
 @click.option("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT, show_default=True)
-@click.option("--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL,
-              show_default=True)
+@click.option(
+    "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL, show_default=True
+)
 @click.option("--max-attempts", type=int, default=defaults.MAX_ATTEMPTS, show_default=True)
 @click.pass_context
 @handles_errors
@@ -269,8 +367,9 @@ def worker(ctx: click.Context, **options: Any) -> None:
     from zkqueue.connection import ConnectionSettings
 
     o = ctx.obj
-    settings = ConnectionSettings(hosts=o["zk"], session_timeout=o["session_timeout"],
-                                  connect_timeout=o["connect_timeout"])
+    settings = ConnectionSettings(
+        hosts=o["zk"], session_timeout=o["session_timeout"], connect_timeout=o["connect_timeout"]
+    )
     sys.exit(run_worker(settings, o["root"], WorkerOptions(**options)))
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -31,13 +32,19 @@ def new_job_id() -> str:
 class Client:
     """A connection to one zkq root. Use as a context manager, or call start() and close()."""
 
-    def __init__(self, hosts: str = defaults.HOSTS, root: str = defaults.ROOT, *,
-                 session_timeout: float = defaults.SESSION_TIMEOUT,
-                 connect_timeout: float = defaults.CONNECT_TIMEOUT,
-                 max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
-                 zk: KazooClient | None = None) -> None:
-        self.settings = ConnectionSettings(hosts=hosts, session_timeout=session_timeout,
-                                           connect_timeout=connect_timeout)
+    def __init__(
+        self,
+        hosts: str = defaults.HOSTS,
+        root: str = defaults.ROOT,
+        *,
+        session_timeout: float = defaults.SESSION_TIMEOUT,
+        connect_timeout: float = defaults.CONNECT_TIMEOUT,
+        max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
+        zk: KazooClient | None = None,
+    ) -> None:
+        self.settings = ConnectionSettings(
+            hosts=hosts, session_timeout=session_timeout, connect_timeout=connect_timeout
+        )
         self.layout = Layout(root)
         self.max_spec_bytes = max_spec_bytes
         self._zk = zk
@@ -78,18 +85,23 @@ class Client:
         if queue in self._ready:
             return
         for path in self.layout.queue_dirs(queue):
-            try:
+            with suppress(NodeExistsError):
                 self.zk.create(path, makepath=True)
-            except NodeExistsError:
-                pass
         self._ready.add(queue)
 
     # -- producing ---------------------------------------------------------------------------
 
-    def submit(self, prompt: str, priority: str = defaults.PRIORITY,
-               queue: str = defaults.QUEUE, max_new_tokens: int | None = None,
-               detach: bool = False, **params: Any) -> Job:
-        """Enqueue one job. Attached (detach=False) requests are withdrawn if this client goes away."""
+    def submit(
+        self,
+        prompt: str,
+        priority: str = defaults.PRIORITY,
+        queue: str = defaults.QUEUE,
+        max_new_tokens: int | None = None,
+        detach: bool = False,
+        **params: Any,
+    ) -> Job:
+        """Enqueue one job. An attached request (detach=False) is withdrawn if this client
+        goes away."""
         check_priority(priority)
         check_queue(queue)
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
@@ -99,20 +111,34 @@ class Client:
             name = self._create_entry(queue, priority, job_id, data, ephemeral=not detach)
         return Job(self, job_id, queue, priority, name, detach=detach, owned=True)
 
-    def submit_many(self, specs: Iterable[str | Mapping[str, Any]], *,
-                    priority: str = defaults.PRIORITY, queue: str = defaults.QUEUE,
-                    max_new_tokens: int | None = None, detach: bool = True) -> list[Job]:
+    def submit_many(
+        self,
+        specs: Iterable[str | Mapping[str, Any]],
+        *,
+        priority: str = defaults.PRIORITY,
+        queue: str = defaults.QUEUE,
+        max_new_tokens: int | None = None,
+        detach: bool = True,
+    ) -> list[Job]:
         """Enqueue many jobs with pipelined creates. Each spec is a prompt or a mapping with
         ``prompt`` and optional ``priority``, ``queue``, ``max_new_tokens`` and job parameters.
         Every spec is validated before anything is written."""
-        prepared = [self._prepare(i, s, priority, queue, max_new_tokens) for i, s in enumerate(specs)]
+        prepared = [
+            self._prepare(i, s, priority, queue, max_new_tokens) for i, s in enumerate(specs)
+        ]
         with self.mapped():
             for q in {p[1] for p in prepared}:
                 self.ensure_queue(q)
             return self._create_pipelined(prepared, detach)
 
-    def _prepare(self, index: int, spec: str | Mapping[str, Any], priority: str, queue: str,
-                 max_new_tokens: int | None) -> tuple[str, str, str, bytes]:
+    def _prepare(
+        self,
+        index: int,
+        spec: str | Mapping[str, Any],
+        priority: str,
+        queue: str,
+        max_new_tokens: int | None,
+    ) -> tuple[str, str, str, bytes]:
         fields: dict[str, Any] = {"prompt": spec} if isinstance(spec, str) else dict(spec)
         try:
             prio = check_priority(fields.pop("priority", priority))
@@ -126,14 +152,18 @@ class Client:
             raise type(exc)(f"spec #{index}: {exc}") from None
         return new_job_id(), q, prio, data
 
-    def _create_pipelined(self, prepared: list[tuple[str, str, str, bytes]],
-                          detach: bool) -> list[Job]:
+    def _create_pipelined(
+        self, prepared: list[tuple[str, str, str, bytes]], detach: bool
+    ) -> list[Job]:
         jobs: list[Job] = []
         for start in range(0, len(prepared), _PIPELINE_WINDOW):
-            window = prepared[start:start + _PIPELINE_WINDOW]
-            calls = [self.zk.create_async(self.layout.entry_prefix(q, p, jid), data,
-                                          ephemeral=not detach, sequence=True)
-                     for jid, q, p, data in window]
+            window = prepared[start : start + _PIPELINE_WINDOW]
+            calls = [
+                self.zk.create_async(
+                    self.layout.entry_prefix(q, p, jid), data, ephemeral=not detach, sequence=True
+                )
+                for jid, q, p, data in window
+            ]
             for (jid, q, p, data), call in zip(window, calls, strict=True):
                 try:
                     name = call.get().rsplit("/", 1)[1]
@@ -142,8 +172,9 @@ class Client:
                 jobs.append(Job(self, jid, q, p, name, detach=detach, owned=True))
         return jobs
 
-    def _create_entry(self, queue: str, priority: str, job_id: str, data: bytes,
-                      ephemeral: bool) -> str:
+    def _create_entry(
+        self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
+    ) -> str:
         """Create the entry exactly once: after a ConnectionLoss the create may have happened,
         so look for the id in the children before creating again."""
         prefix = self.layout.entry_prefix(queue, priority, job_id)
@@ -214,8 +245,10 @@ class Client:
 
     def _ordered_entries(self, queue: str) -> list[tuple[str, EntryName]]:
         """Every parseable entry of a queue in dispatch order, as (priority, name)."""
-        calls = [(p, self.zk.get_children_async(self.layout.pending(queue, p)))
-                 for p in defaults.PRIORITIES]
+        calls = [
+            (p, self.zk.get_children_async(self.layout.pending(queue, p)))
+            for p in defaults.PRIORITIES
+        ]
         out: list[tuple[str, EntryName]] = []
         for priority, call in calls:
             try:
@@ -245,15 +278,23 @@ class Client:
             claimed = self._claimed(queue)
             entries = self._ordered_entries(queue)[:limit]
             stats = [self.zk.exists_async(self.layout.entry(queue, p, e.name)) for p, e in entries]
-            claims = {e.name: self.zk.get_async(self.layout.claim(queue, e.name))
-                      for _, e in entries if e.name in claimed}
+            claims = {
+                e.name: self.zk.get_async(self.layout.claim(queue, e.name))
+                for _, e in entries
+                if e.name in claimed
+            }
             rows, position = [], 0
             for (priority, entry), stat_call in zip(entries, stats, strict=True):
                 stat = stat_call.get()
                 if stat is None:
                     continue  # finished while we listed
-                row = {"id": entry.job_id, "queue": queue, "priority": priority,
-                       "attempts": stat.version, "submitted_at": stat.ctime / 1000}
+                row = {
+                    "id": entry.job_id,
+                    "queue": queue,
+                    "priority": priority,
+                    "attempts": stat.version,
+                    "submitted_at": stat.ctime / 1000,
+                }
                 if entry.name in claims:
                     row.update(state=RUNNING, worker=_claim_worker(claims[entry.name]))
                 else:
@@ -273,15 +314,17 @@ class Client:
     def _queue_stats(self, queue: str) -> dict[str, Any]:
         lay = self.layout
         calls = {p: self.zk.exists_async(lay.pending(queue, p)) for p in defaults.PRIORITIES}
-        calls.update(running=self.zk.exists_async(lay.claims(queue)),
-                     idle_workers=self.zk.exists_async(lay.line(queue)),
-                     results=self.zk.exists_async(lay.results(queue)),
-                     dead=self.zk.exists_async(lay.dead(queue)))
+        calls.update(
+            running=self.zk.exists_async(lay.claims(queue)),
+            idle_workers=self.zk.exists_async(lay.line(queue)),
+            results=self.zk.exists_async(lay.results(queue)),
+            dead=self.zk.exists_async(lay.dead(queue)),
+        )
         counts = {k: (c.get().numChildren if c.get() else 0) for k, c in calls.items()}
         depth = {p: counts.pop(p) for p in defaults.PRIORITIES}
         return {"depth": depth, "pending": sum(depth.values()) - counts["running"], **counts}
 
-    def workers(self) -> list[dict[str, Any]]:
+    def workers(self) -> builtins.list[dict[str, Any]]:
         """Registered workers' records (see docs/PROTOCOL.md)."""
         with self.mapped():
             try:

@@ -29,8 +29,12 @@ class ConnectionSettings:
     def make_client(self) -> KazooClient:
         # Retry forever on connection loss: zkq decides itself when to give up (timeouts, drains).
         retry = {"max_tries": -1, "delay": 0.1, "max_delay": 1.0, "backoff": 2}
-        return KazooClient(hosts=self.hosts, timeout=self.session_timeout,
-                           connection_retry=KazooRetry(**retry), command_retry=None)
+        return KazooClient(
+            hosts=self.hosts,
+            timeout=self.session_timeout,
+            connection_retry=KazooRetry(**retry),
+            command_retry=None,
+        )
 
 
 def connect(settings: ConnectionSettings) -> KazooClient:

@@ -1,4 +1,4 @@
-"""One exception root for zkq, layered by concern. Each class carries the CLI exit code it maps to."""
+"""One exception root for zkq, layered by concern; each class carries its CLI exit code."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,17 @@ class Job:
     """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached request
     on timeout and removes an attached result once read."""
 
-    def __init__(self, client: Client, job_id: str, queue: str, priority: str,
-                 entry: str | None = None, *, detach: bool = True, owned: bool = False) -> None:
+    def __init__(
+        self,
+        client: Client,
+        job_id: str,
+        queue: str,
+        priority: str,
+        entry: str | None = None,
+        *,
+        detach: bool = True,
+        owned: bool = False,
+    ) -> None:
         self.client = client
         self.id = job_id
         self.queue = queue
@@ -89,10 +99,16 @@ class Job:
                 _, stat = zk.get(entry_path)
             except NoNodeError:
                 return False
-            record = Result(id=self.id, queue=self.queue, priority=self.priority,
-                            status=results.CANCELLED, error="cancelled by request",
-                            attempts=stat.version, submitted_at=stat.ctime / 1000,
-                            finished_at=time.time())
+            record = Result(
+                id=self.id,
+                queue=self.queue,
+                priority=self.priority,
+                status=results.CANCELLED,
+                error="cancelled by request",
+                attempts=stat.version,
+                submitted_at=stat.ctime / 1000,
+                finished_at=time.time(),
+            )
             txn = zk.transaction()
             txn.create(self.result_path, record.to_bytes())
             txn.delete(entry_path)
@@ -104,10 +120,8 @@ class Job:
         path = self.entry_path
         if path is None:
             return
-        try:
+        with contextlib.suppress(NoNodeError):
             self.client.zk.delete(path)
-        except NoNodeError:
-            pass
 
     # -- internals -------------------------------------------------------------------------
 
@@ -131,10 +145,8 @@ class Job:
             fired.wait(_RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS))
 
     def _forget_result(self) -> None:
-        try:
+        with contextlib.suppress(NoNodeError):
             self.client.zk.delete(self.result_path)
-        except NoNodeError:
-            pass
 
     def _locate(self) -> None:
         """Find the entry name by scanning the priority's children (only for bare ids)."""
@@ -153,11 +165,17 @@ class Job:
             try:
                 data, _ = zk.get(self.result_path)
             except NoNodeError:
-                raise JobNotFound(f"job {self.id} has no entry and no result in queue "
-                                  f"{self.queue!r}") from None
+                raise JobNotFound(
+                    f"job {self.id} has no entry and no result in queue {self.queue!r}"
+                ) from None
             return self._finished_info(Result.from_bytes(data))
-        info: dict[str, Any] = {"id": self.id, "queue": self.queue, "priority": self.priority,
-                                "attempts": stat.version, "submitted_at": stat.ctime / 1000}
+        info: dict[str, Any] = {
+            "id": self.id,
+            "queue": self.queue,
+            "priority": self.priority,
+            "attempts": stat.version,
+            "submitted_at": stat.ctime / 1000,
+        }
         claim = self.client.claim_of(self.queue, self.entry or "")
         if claim is not None:
             info.update(state=RUNNING, worker=claim.get("worker"))
@@ -166,12 +184,18 @@ class Job:
         return info
 
     def _finished_info(self, record: Result) -> dict[str, Any]:
-        return {"id": self.id, "queue": self.queue, "priority": self.priority,
-                "state": record.status, "attempts": record.attempts, "worker": record.worker}
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "priority": self.priority,
+            "state": record.status,
+            "attempts": record.attempts,
+            "worker": record.worker,
+        }
 
 
 def _setter(event: threading.Event) -> Any:
     def watch(_event: object) -> None:
         event.set()
-    return watch
 
+    return watch

@@ -1,11 +1,11 @@
 """The znode layout: every path zkq reads or writes is built here and nowhere else.
 
-    <root>/queues/<queue>/pending/<priority>/<id>-<seq>   a job waiting or running (spec JSON)
-    <root>/queues/<queue>/claims/<id>-<seq>               EPHEMERAL: the running worker's claim
-    <root>/queues/<queue>/line/w-<seq>                    EPHEMERAL_SEQUENTIAL: a worker with free slots
-    <root>/queues/<queue>/results/<id>                    result record (JSON)
-    <root>/queues/<queue>/dead/<entry>                    dead-lettered entry and reason (JSON)
-    <root>/workers/<worker-id>                            EPHEMERAL worker registration (JSON)
+<root>/queues/<queue>/pending/<priority>/<id>-<seq>   a job waiting or running (spec JSON)
+<root>/queues/<queue>/claims/<id>-<seq>               EPHEMERAL: the running worker's claim
+<root>/queues/<queue>/line/w-<seq>                    EPHEMERAL_SEQUENTIAL: a worker with free slots
+<root>/queues/<queue>/results/<id>                    result record (JSON)
+<root>/queues/<queue>/dead/<entry>                    dead-lettered entry and reason (JSON)
+<root>/workers/<worker-id>                            EPHEMERAL worker registration (JSON)
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def check_queue(name: str) -> str:
 
 def check_priority(priority: str) -> str:
     if priority not in defaults.PRIORITIES:
-        raise InvalidJob(f"unknown priority {priority!r}: use one of "
-                         f"{', '.join(defaults.PRIORITIES)}")
+        raise InvalidJob(
+            f"unknown priority {priority!r}: use one of {', '.join(defaults.PRIORITIES)}"
+        )
     return priority
 
 
@@ -70,7 +71,7 @@ class EntryName:
 
 def line_order(name: str) -> int:
     """Position of a line node (``w-<seq>``) as a number."""
-    return int(name[len(LINE_PREFIX):]) % _SEQ_WRAP
+    return int(name[len(LINE_PREFIX) :]) % _SEQ_WRAP
 
 
 class Layout:
@@ -133,5 +134,10 @@ class Layout:
     def queue_dirs(self, queue: str) -> list[str]:
         """Every persistent directory a queue needs, parents first."""
         pending = [self.pending(queue, p) for p in defaults.PRIORITIES]
-        return [*pending, self.claims(queue), self.line(queue), self.results(queue),
-                self.dead(queue)]
+        return [
+            *pending,
+            self.claims(queue),
+            self.line(queue),
+            self.results(queue),
+            self.dead(queue),
+        ]

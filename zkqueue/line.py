@@ -3,6 +3,7 @@ its predecessor, so a new job wakes the head alone and a departing head wakes on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +20,14 @@ log = logging.getLogger("zkq.line")
 class Line:
     """This worker's place in one queue's line. Not thread safe: the worker loop owns it."""
 
-    def __init__(self, zk: KazooClient, layout: Layout, queue: str, worker_id: str,
-                 on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        zk: KazooClient,
+        layout: Layout,
+        queue: str,
+        worker_id: str,
+        on_change: Callable[[], None],
+    ) -> None:
         self.zk = zk
         self.layout = layout
         self.queue = queue
@@ -36,18 +43,20 @@ class Line:
         return self.node is not None
 
     def join(self) -> None:
-        path = self.zk.create(self.layout.line_prefix(self.queue), self.worker_id.encode(),
-                              ephemeral=True, sequence=True)
+        path = self.zk.create(
+            self.layout.line_prefix(self.queue),
+            self.worker_id.encode(),
+            ephemeral=True,
+            sequence=True,
+        )
         self.node = path.rsplit("/", 1)[1]
         self._head = None
 
     def leave(self) -> None:
         if self.node is None:
             return
-        try:
+        with contextlib.suppress(NoNodeError):
             self.zk.delete(self.layout.line_node(self.queue, self.node))
-        except NoNodeError:
-            pass
         self.node = None
         self._head = None
 
@@ -64,8 +73,12 @@ class Line:
             txn.delete(self.layout.line_node(self.queue, self.node))
 
     def add_join(self, txn: TransactionRequest) -> None:
-        txn.create(self.layout.line_prefix(self.queue), self.worker_id.encode(),
-                   ephemeral=True, sequence=True)
+        txn.create(
+            self.layout.line_prefix(self.queue),
+            self.worker_id.encode(),
+            ephemeral=True,
+            sequence=True,
+        )
 
     def committed(self, left: bool, joined_path: Any) -> None:
         """Record what a committed transaction did to our place in the line."""
@@ -86,8 +99,11 @@ class Line:
 
     def _ask_head(self) -> bool:
         while self.node is not None:
-            children = [c for c in self.zk.get_children(self.layout.line(self.queue))
-                        if c.startswith(LINE_PREFIX)]
+            children = [
+                c
+                for c in self.zk.get_children(self.layout.line(self.queue))
+                if c.startswith(LINE_PREFIX)
+            ]
             ordered = sorted(children, key=line_order)
             if self.node not in ordered:
                 self.node = None  # deleted behind our back (session loss); the loop rejoins

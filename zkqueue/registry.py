@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -69,7 +70,8 @@ class Registry:
                     return
                 if time.monotonic() >= deadline:
                     raise ConfigurationError(
-                        f"worker name {self.record.id!r} is in use by a live worker") from None
+                        f"worker name {self.record.id!r} is in use by a live worker"
+                    ) from None
                 _wait_gone(self.zk, self.path, deadline - time.monotonic())
 
     def update(self) -> None:
@@ -80,10 +82,8 @@ class Registry:
             self.register()
 
     def unregister(self) -> None:
-        try:
+        with contextlib.suppress(NoNodeError):
             self.zk.delete(self.path)
-        except NoNodeError:
-            pass
 
 
 def _wait_gone(zk: KazooClient, path: str, timeout: float) -> None:

@@ -1,7 +1,8 @@
 """The job spec: the JSON stored in a pending entry. One place validates and (de)serializes it.
 
 Validation happens at the edges: producers refuse a bad spec before writing anything, and workers
-refuse an entry written by any other client (it is dead-lettered with the reason, never crashes them).
+refuse an entry written by any other client (it is dead-lettered with the reason, never
+crashes them).
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ from zkqueue import defaults
 from zkqueue.errors import InvalidJob, SpecTooLarge
 
 SPEC_VERSION = 1
-_FIELDS = ("v", "prompt", "max_new_tokens", "temperature", "top_p", "seed", "max_runtime",
-           "queue_timeout")
+_FIELDS = (
+    "v",
+    "prompt",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_runtime",
+    "queue_timeout",
+)
 #: Fields a caller may pass as ``**params`` to ``Client.submit``.
 PARAMS = ("temperature", "top_p", "seed", "max_runtime", "queue_timeout")
 
@@ -47,8 +56,11 @@ class JobSpec:
         _check_opt_float("queue_timeout", self.queue_timeout, 0.0, 30 * 86400.0, low_open=True)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"v": SPEC_VERSION, "prompt": self.prompt,
-                               "max_new_tokens": self.max_new_tokens}
+        out: dict[str, Any] = {
+            "v": SPEC_VERSION,
+            "prompt": self.prompt,
+            "max_new_tokens": self.max_new_tokens,
+        }
         for name in PARAMS:
             value = getattr(self, name)
             if value is not None:
@@ -70,7 +82,9 @@ class JobSpec:
         if unknown:
             raise InvalidJob(f"unknown field(s) in job spec: {', '.join(map(str, unknown))}")
         if "v" in raw and raw["v"] != SPEC_VERSION:
-            raise InvalidJob(f"unsupported spec version {raw['v']!r} (this zkq reads {SPEC_VERSION})")
+            raise InvalidJob(
+                f"unsupported spec version {raw['v']!r} (this zkq reads {SPEC_VERSION})"
+            )
         if "prompt" not in raw:
             raise InvalidJob("job spec has no prompt")
         fields = {k: v for k, v in raw.items() if k != "v"}
@@ -96,8 +110,9 @@ def build_spec(prompt: str, max_new_tokens: int | None, params: Mapping[str, Any
     """Make a spec from producer arguments, refusing unknown parameters by name."""
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
-        raise InvalidJob(f"unknown job parameter(s): {', '.join(unknown)} "
-                         f"(known: {', '.join(PARAMS)})")
+        raise InvalidJob(
+            f"unknown job parameter(s): {', '.join(unknown)} (known: {', '.join(PARAMS)})"
+        )
     mnt = defaults.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     return JobSpec(prompt=prompt, max_new_tokens=mnt, **params)
 
@@ -120,7 +135,9 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
         raise InvalidJob(f"{name} must be between {low} and {high}, not {value}")
 
 
-def _check_opt_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+def _check_opt_float(
+    name: str, value: Any, low: float, high: float, low_open: bool = False
+) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -57,8 +57,10 @@ class PendingView:
     def refresh(self) -> None:
         """Re-list what changed since the last refresh, re-arming each part's watch."""
         dirty, self._dirty = self._dirty, set()
-        calls = {part: self.zk.get_children_async(self._path(part), watch=self._watches[part])
-                 for part in dirty}
+        calls = {
+            part: self.zk.get_children_async(self._path(part), watch=self._watches[part])
+            for part in dirty
+        }
         for part, call in calls.items():
             try:
                 names = call.get()

@@ -19,8 +19,7 @@ from pathlib import Path
 from zkqueue.errors import ConfigurationError
 
 ZK_SERVER_SH = os.environ.get("ZKQ_ZKSERVER_SH", "/usr/share/zookeeper/bin/zkServer.sh")
-_CLASSPATH = ("/etc/zookeeper/conf:/usr/share/java/zookeeper.jar:"
-              "/usr/share/java/slf4j-simple.jar")
+_CLASSPATH = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-simple.jar"
 
 
 def free_port() -> int:
@@ -69,32 +68,50 @@ class ZkServer:
         return f"127.0.0.1:{self.client_port}"
 
     def _config(self) -> str:
-        lines = [f"tickTime={self.tick_ms}", "initLimit=20", "syncLimit=10",
-                 f"dataDir={self.dir / 'data'}", f"clientPort={self.client_port}",
-                 "clientPortAddress=127.0.0.1", "admin.enableServer=false",
-                 "4lw.commands.whitelist=*", "maxClientCnxns=0",
-                 # Sessions from 2 to 60 s whatever the tick, so tests can pick short timeouts.
-                 "minSessionTimeout=1000", "maxSessionTimeout=60000"]
+        lines = [
+            f"tickTime={self.tick_ms}",
+            "initLimit=20",
+            "syncLimit=10",
+            f"dataDir={self.dir / 'data'}",
+            f"clientPort={self.client_port}",
+            "clientPortAddress=127.0.0.1",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=*",
+            "maxClientCnxns=0",
+            # Sessions from 2 to 60 s whatever the tick, so tests can pick short timeouts.
+            "minSessionTimeout=1000",
+            "maxSessionTimeout=60000",
+        ]
         if self.peers:
             lines.append("standaloneEnabled=false")
-            lines += [f"server.{p.myid}=127.0.0.1:{p.quorum_port}:{p.election_port}"
-                      for p in self.peers]
+            lines += [
+                f"server.{p.myid}=127.0.0.1:{p.quorum_port}:{p.election_port}" for p in self.peers
+            ]
         return "\n".join(lines) + "\n"
 
     def start(self) -> None:
         if not Path(ZK_SERVER_SH).exists():
             raise ConfigurationError(
                 f"{ZK_SERVER_SH} not found: install Debian's zookeeper package "
-                "(scripts/setup.sh does) or set ZKQ_ZKSERVER_SH")
+                "(scripts/setup.sh does) or set ZKQ_ZKSERVER_SH"
+            )
         (self.dir / "data").mkdir(parents=True, exist_ok=True)
         (self.dir / "data" / "myid").write_text(f"{self.myid}\n")
         (self.dir / "zoo.cfg").write_text(self._config())
-        env = {**os.environ, "ZOOCFGDIR": str(self.dir), "ZOO_LOG_DIR": str(self.dir),
-               "SERVER_JVMFLAGS": f"-Xmx256m -XX:+UseSerialGC -cp {_CLASSPATH}"}
+        env = {
+            **os.environ,
+            "ZOOCFGDIR": str(self.dir),
+            "ZOO_LOG_DIR": str(self.dir),
+            "SERVER_JVMFLAGS": f"-Xmx256m -XX:+UseSerialGC -cp {_CLASSPATH}",
+        }
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child process owns it
         self.process = subprocess.Popen(
             [ZK_SERVER_SH, "start-foreground", str(self.dir / "zoo.cfg")],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         log.close()
 
     def serving(self) -> bool:
@@ -115,8 +132,9 @@ class ZkServer:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"ZooKeeper {self.myid} exited:\n{self.log_tail()}")
             time.sleep(0.1)
-        raise TimeoutError(f"ZooKeeper {self.myid} not serving after {timeout}s:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"ZooKeeper {self.myid} not serving after {timeout}s:\n{self.log_tail()}"
+        )
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server (SIGKILL for a crash); its data dir stays for a restart."""
@@ -176,8 +194,9 @@ class ZkCluster:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     def logs(self) -> str:
-        return "\n".join(f"--- zookeeper {s.myid} ({s.address}) ---\n{s.log_tail()}"
-                         for s in self.servers)
+        return "\n".join(
+            f"--- zookeeper {s.myid} ({s.address}) ---\n{s.log_tail()}" for s in self.servers
+        )
 
     def __enter__(self) -> ZkCluster:
         return self.start()

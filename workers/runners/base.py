@@ -38,7 +38,7 @@ class RunningJob:
 
 @dataclass
 class Outcome:
-    """What a runner made of one job. ``status`` is a result status (succeeded, failed, timeout, ...)."""
+    """What a runner made of one job; ``status`` is a result status (succeeded, failed...)."""
 
     status: str
     output: str = ""
@@ -58,7 +58,7 @@ class Runner(Protocol):
         ...
 
     def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-        """Run ``jobs`` together and return their outcomes in order. Must not raise for one bad job."""
+        """Run ``jobs`` together; return their outcomes in order. Never raise for one bad job."""
         ...
 
     def close(self) -> None:

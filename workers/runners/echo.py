@@ -34,8 +34,11 @@ class EchoRunner:
         if self.fail_marker and self.fail_marker in job.spec.prompt:
             return Outcome(result.FAILED, error="echo runner asked to fail")
         job.progress = len(job.spec.prompt)
-        return Outcome(result.SUCCEEDED, output=job.spec.prompt,
-                       extra={"output_tokens": len(job.spec.prompt.split())})
+        return Outcome(
+            result.SUCCEEDED,
+            output=job.spec.prompt,
+            extra={"output_tokens": len(job.spec.prompt.split())},
+        )
 
     def close(self) -> None:
         pass

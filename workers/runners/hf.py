@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from workers import kvcache
@@ -187,7 +188,7 @@ class HFRunner:
         return len(self._encode(prompt))
 
     def validate(self, spec: JobSpec) -> str | None:
-        """Why this job can never run on this model (its prompt does not fit the context), or None."""
+        """Why this job can never run on this model (prompt + max_new_tokens over the context)."""
         return self._context_error(self.count_tokens(spec.prompt), spec.max_new_tokens)
 
     def need_bytes(self, spec: JobSpec) -> int:
@@ -204,7 +205,7 @@ class HFRunner:
             rows = self._admit(jobs, outcomes)
             for batch in self._plan(rows):
                 self._run_batch(batch, outcomes)
-            return [o if o is not None else Outcome(result.FAILED, error="not run") for o in outcomes]
+            return [o or Outcome(result.FAILED, error="not run") for o in outcomes]
 
     def close(self) -> None:
         """Drop the model and tokenizer and return the device memory."""
@@ -222,7 +223,8 @@ class HFRunner:
             if job.cancelled.is_set():
                 outcomes[index] = _outcome(_Row(index, job, ids, reason="cancelled"), "", 0.0, None)
             elif error is not None:
-                outcomes[index] = Outcome(result.FAILED, error=error, extra={"prompt_tokens": len(ids)})
+                outcomes[index] = Outcome(result.FAILED, error=error,
+                                          extra={"prompt_tokens": len(ids)})
             else:
                 rows.append(_Row(index, job, ids))
         return rows
@@ -249,7 +251,7 @@ class HFRunner:
         batches: list[list[_Row]] = []
         for row in rows:
             current = batches[-1] if batches else None
-            if current is not None and self._fits(current + [row]):
+            if current is not None and self._fits([*current, row]):
                 current.append(row)
             else:
                 batches.append([row])
@@ -362,7 +364,8 @@ def _load(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, An
         raise ConfigurationError(f"{path} is not a model directory: it has no config.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                          **_dtype_kwarg(dtype))
         model = model.to(device).eval()
     except Exception as exc:
         raise ConfigurationError(f"cannot load a causal language model from {path}: {exc}") from exc
@@ -372,6 +375,12 @@ def _load(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, An
             raise ConfigurationError(f"the tokenizer in {path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, model
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """transformers 4.56 renamed ``torch_dtype`` to ``dtype``; older releases ignore ``dtype``."""
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -1,0 +1,110 @@
+"""zkq demo: a local ZooKeeper, one worker, jobs at three priorities, their results and timings.
+
+Everything runs on this machine and is cleaned up at the end. Run it with scripts/demo.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from zkqueue import Client
+from zkqueue.zkserver import ZkCluster
+
+ROOT = "/zkq-demo"
+
+
+def start_worker(hosts: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "zkqueue.cli",
+        "--zk",
+        hosts,
+        "--root",
+        ROOT,
+        "--log-level",
+        "INFO",
+        "worker",
+        *args,
+    ]
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def wait_registered(client: Client, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not client.workers():
+        if time.monotonic() > deadline:
+            raise SystemExit("demo: the worker did not register in time")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs-per-priority", type=int, default=3)
+    opts = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zkq-demo-"))
+    print(f"demo: starting a local ZooKeeper (data in {work})")
+    with ZkCluster(1, base=work) as cluster, Client(cluster.hosts, ROOT) as client:
+        print(f"demo: ZooKeeper serving at {cluster.hosts}")
+        # Submit before the worker starts, so the dispatch order is visible.
+        plan = [
+            (prio, f"{prio} request #{i}")
+            for i in range(opts.jobs_per_priority)
+            for prio in ("low", "normal", "high")
+        ]
+        jobs = [client.submit(prompt, priority=prio, detach=True) for prio, prompt in plan]
+        print(f"demo: submitted {len(jobs)} jobs (low, normal, high interleaved)")
+        worker_args = ["--runner", "echo", "--echo-delay", "0.2", "--max-concurrency", "1"]
+        worker = start_worker(cluster.hosts, worker_args, work / "worker.log")
+        try:
+            wait_registered(client)
+            print(f"demo: worker registered: {client.workers()[0]['id']}")
+            records = sorted((j.result(timeout=300) for j in jobs), key=lambda r: r.started_at)
+            print(
+                f"\n{'order':>5}  {'priority':<8} {'status':<10} {'wait s':>7} {'run s':>6}  output"
+            )
+            for n, r in enumerate(records, 1):
+                wait = (r.started_at or 0) - (r.submitted_at or 0)
+                run = (r.finished_at or 0) - (r.started_at or 0)
+                print(
+                    f"{n:>5}  {r.priority:<8} {r.status:<10} {wait:7.2f} {run:6.2f}  "
+                    f"{r.output[:60]!r}"
+                )
+            cli = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "zkqueue.cli",
+                    "--zk",
+                    cluster.hosts,
+                    "--root",
+                    ROOT,
+                    "submit",
+                    "--priority",
+                    "high",
+                    "an attached request from the CLI",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            print(
+                f"\ndemo: zkq submit --priority high ... -> {cli.stdout.strip()!r} "
+                f"(exit {cli.returncode})"
+            )
+            print(f"demo: stats {client.stats()['queues']}")
+        finally:
+            worker.terminate()
+            worker.wait(60)
+    shutil.rmtree(work, ignore_errors=True)
+    print("demo: stopped the worker and ZooKeeper; done")
+
+
+if __name__ == "__main__":
+    main()

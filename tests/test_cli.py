@@ -1,0 +1,124 @@
+"""The zkq command end to end, through subprocesses, with its documented exit codes."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import wait_for
+from zkqueue import Client
+from zkqueue.errors import ExitCode
+
+
+def test_submit_waits_and_prints_output(zkq, spawn_worker, client: Client) -> None:
+    spawn_worker("--runner", "echo", "--max-concurrency", "2")
+    out = zkq("submit", "--priority", "high", "hello world")
+    assert (out.returncode, out.stdout) == (0, "hello world\n"), out.stderr
+    out = zkq("submit", "--json", "-", input="from stdin")
+    record = json.loads(out.stdout)
+    assert out.returncode == 0
+    assert (record["status"], record["output"], record["priority"]) == (
+        "succeeded",
+        "from stdin",
+        "normal",
+    )
+
+
+def test_detached_job_lifecycle(zkq, spawn_worker, client: Client) -> None:
+    out = zkq("submit", "--detach", "--json", "--priority", "low", "later")
+    assert out.returncode == 0, out.stderr
+    job_id = json.loads(out.stdout)["id"]
+    status = json.loads(zkq("status", job_id, "--json").stdout)
+    assert (status["state"], status["position"]) == ("pending", 1)
+    assert zkq("status", job_id).stdout.startswith("pending (position 1)")
+    rows = json.loads(zkq("ls", "--json").stdout)
+    assert [r["id"] for r in rows] == [job_id]
+    stats = json.loads(zkq("stats", "--json").stdout)
+    assert stats["queues"]["default"]["depth"]["low"] == 1
+    assert zkq("result", job_id).returncode == ExitCode.TIMEOUT
+
+    spawn_worker("--runner", "echo", "--name", "w1")
+    out = zkq("result", job_id, "--wait", "--timeout", "20", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["worker"] == "w1"
+    assert zkq("result", job_id).stdout == "later\n"
+    workers = json.loads(zkq("workers", "--json").stdout)
+    assert [w["id"] for w in workers] == ["w1"]
+    assert workers[0]["slots_max"] == 1 and workers[0]["queue"] == "default"
+
+
+def test_cancel_from_the_command_line(zkq, client: Client) -> None:
+    job_id = zkq("submit", "--detach", "x").stdout.strip()
+    out = zkq("cancel", job_id)
+    assert out.returncode == 0 and "cancelled" in out.stdout
+    assert zkq("cancel", job_id).returncode == ExitCode.JOB_FAILED
+    assert json.loads(zkq("status", job_id, "--json").stdout)["state"] == "cancelled"
+    out = zkq("result", job_id)
+    assert out.returncode == ExitCode.JOB_FAILED
+    assert "cancelled" in out.stderr
+
+
+def test_failed_job_exit_code(zkq, spawn_worker) -> None:
+    spawn_worker("--runner", "echo")
+    out = zkq("submit", "--max-runtime", "0.5", "x")
+    assert out.returncode == 0
+    spawn_worker("--runner", "echo", "--echo-delay", "5", "--queue", "slow")
+    out = zkq("submit", "--queue", "slow", "--max-runtime", "0.2", "x")
+    assert out.returncode == ExitCode.JOB_FAILED
+    assert "timeout" in out.stderr
+
+
+def test_usage_errors_exit_2_and_write_nothing(zkq, client: Client) -> None:
+    for args in (
+        ["submit", "--priority", "urgent", "x"],
+        ["submit", ""],
+        ["submit", "--max-new-tokens", "0", "x"],
+        ["submit", "--max-new-tokens", "many"],
+        ["submit", "--queue", "a/b", "x"],
+        ["status", "bad id!"],
+    ):
+        out = zkq(*args)
+        assert out.returncode == ExitCode.USAGE, (args, out.stdout, out.stderr)
+        assert out.stderr.strip()
+    assert client.zk.exists(client.layout.queues()) is None
+
+
+def test_oversize_prompt_exit_2(zkq) -> None:
+    out = zkq("submit", "-", input="x" * 70_000)
+    assert out.returncode == ExitCode.USAGE
+    assert "limit is 65536 bytes" in out.stderr
+
+
+def test_unknown_job_exit_3(zkq) -> None:
+    out = zkq("status", "0123456789abcdef")
+    assert out.returncode == ExitCode.NOT_FOUND
+    assert "no job 0123456789abcdef" in out.stderr
+
+
+def test_caller_timeout_exit_4_withdraws(zkq, client: Client) -> None:
+    out = zkq("submit", "--timeout", "0.5", "nobody home")
+    assert out.returncode == ExitCode.TIMEOUT
+    assert "no result after 0.5s" in out.stderr
+    wait_for(lambda: client.list() == [], message="request withdrawn")
+
+
+def test_unreachable_zookeeper_exit_6(zkq) -> None:
+    out = zkq("--connect-timeout", "1", "stats", zk="127.0.0.1:1")
+    assert out.returncode == ExitCode.UNAVAILABLE
+    assert "cannot reach ZooKeeper at 127.0.0.1:1" in out.stderr
+
+
+def test_environment_fallbacks(hosts: str, root: str, client: Client) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ZKQ_ZK": hosts, "ZKQ_ROOT": root}
+    out = subprocess.run(
+        [sys.executable, "-m", "zkqueue.cli", "submit", "--detach", "via env"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert client.job(out.stdout.strip()).status() == "pending"

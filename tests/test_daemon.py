@@ -1,0 +1,91 @@
+"""The worker daemon: SIGTERM drains, a second signal releases, systemd hears READY/STOPPING."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from workers.systemd import Notifier
+from zkqueue import Client
+
+pytestmark = pytest.mark.slow
+
+
+def _running_on(client: Client, job_id: str) -> str | None:
+    info = client.job(job_id).info()
+    return info.get("worker") if info["state"] == "running" else None
+
+
+def test_sigterm_drains_the_running_job_then_exits_0(client: Client, spawn_worker) -> None:
+    proc = spawn_worker("--runner", "echo", "--echo-delay", "2", "--name", "drainer")
+    wait_for(lambda: client.workers(), message="worker registered")
+    job = client.submit("finish me", detach=True)
+    wait_for(lambda: _running_on(client, job.id), message="job running")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(
+        lambda: (
+            (client.workers() and client.workers()[0]["state"] == "draining")
+            or proc.poll() is not None
+        ),
+        message="draining",
+    )
+    assert proc.wait(30) == 0
+    record = job.result(timeout=1)
+    assert (record.status, record.worker) == ("succeeded", "drainer")
+    assert client.workers() == []
+
+
+def test_second_sigterm_releases_at_once(client: Client, spawn_worker) -> None:
+    proc = spawn_worker("--runner", "echo", "--echo-delay", "120", "--name", "leaver")
+    wait_for(lambda: client.workers(), message="worker registered")
+    job = client.submit("hand me over", detach=True)
+    wait_for(lambda: _running_on(client, job.id), message="job running")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: client.workers()[0]["state"] == "draining", message="draining")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert job.status() == "pending"
+    spawn_worker("--runner", "echo", "--name", "taker")
+    record = job.result(timeout=20)
+    assert (record.status, record.worker, record.attempts) == ("succeeded", "taker", 2)
+
+
+def test_drain_timeout_releases_what_is_left(client: Client, spawn_worker) -> None:
+    proc = spawn_worker("--runner", "echo", "--echo-delay", "120", "--drain-timeout", "1")
+    wait_for(lambda: client.workers(), message="worker registered")
+    job = client.submit("too slow", detach=True)
+    wait_for(lambda: _running_on(client, job.id), message="job running")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert job.status() == "pending"
+
+
+def test_systemd_notify_protocol(client: Client, spawn_worker, tmp_path: Path) -> None:
+    address = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.settimeout(30)
+    try:
+        proc = spawn_worker(
+            "--runner", "echo", env={"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"}
+        )
+        messages = [sock.recv(4096).decode() for _ in range(2)]
+        assert any(m.startswith("READY=1") for m in messages), messages
+        assert any("WATCHDOG=1" in m for m in messages), messages
+        assert client.workers(), "READY=1 comes after registration"
+        proc.send_signal(signal.SIGTERM)
+        seen: list[str] = []
+        while not any("STOPPING=1" in m for m in seen):
+            seen.append(sock.recv(4096).decode())
+        assert proc.wait(30) == 0
+    finally:
+        sock.close()
+
+
+def test_notifier_is_a_no_op_outside_systemd(monkeypatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert Notifier().ready() is False
