@@ -45,14 +45,14 @@ class InvalidSize(ConfigurationError, ValueError):
 
 def kv_cache_bytes(config: Any, tokens: int, dtype_bytes: int) -> int:
     """Bytes of K and V cache that ``tokens`` positions take, for one sequence."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     per_token = 2 * _num_layers(cfg) * _kv_heads(cfg) * _head_dim(cfg) * dtype_bytes
     return per_token * tokens
 
 
 def activation_bytes(config: Any, prompt_tokens: int, dtype_bytes: int) -> int:
     """Transient bytes of the prefill step for one sequence (see the module docstring)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     hidden = int(cfg.hidden_size)
     intermediate = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
     per_token = (4 * hidden + 2 * intermediate) * dtype_bytes
@@ -111,7 +111,7 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
     """The decoder's config: multimodal configs keep it under ``text_config``."""
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config

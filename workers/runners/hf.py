@@ -20,6 +20,10 @@ How a batch is run:
   ``max_new_tokens`` fits the context; they run in the order of their first job.
 * ``max_runtime`` counts from the start of the job's own ``generate`` call.
 
+``Outcome.extra`` holds prompt_tokens, output_tokens, ttft_s (from the call's start to its first
+decoding step, as the stopping criterion first sees it) and total_s (to the row's stop). ``progress``
+on each job is its token count, updated every step.
+
 A CUDA out-of-memory error frees the cache and raises ``BatchOutOfMemory`` (which carries the
 outcomes already finished); the worker owns the retry with smaller batches. Any other error in
 ``generate`` fails that call's jobs with the message and does not raise.
@@ -164,7 +168,7 @@ class HFRunner:
     @property
     def context_length(self) -> int:
         """Positions the model can attend to: prompt plus new tokens must fit."""
-        cfg = kvcache._text_config(self._model.config)
+        cfg = kvcache.text_config(self._model.config)
         length = getattr(cfg, "max_position_embeddings", None)
         return int(length or self._tokenizer.model_max_length)
 
@@ -218,7 +222,11 @@ class HFRunner:
         """Tokenize; answer at once the jobs that are cancelled or cannot fit the context."""
         rows = []
         for index, job in enumerate(jobs):
-            ids = self._encode(job.spec.prompt)
+            try:
+                ids = self._encode(job.spec.prompt)
+            except Exception as exc:  # one unencodable prompt must not sink the batch
+                outcomes[index] = Outcome(result.FAILED, error=f"cannot tokenize the prompt: {exc}")
+                continue
             error = self._context_error(len(ids), job.spec.max_new_tokens)
             if job.cancelled.is_set():
                 outcomes[index] = _outcome(_Row(index, job, ids, reason="cancelled"), "", 0.0, None)
