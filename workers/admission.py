@@ -7,13 +7,18 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.kvcache import format_size
 from zkqueue.spec import JobSpec
 
 
 class Verdict(enum.Enum):
     ADMIT = "admit"
+    #: Fits an idle worker like this one: leave it pending.
     WAIT = "wait"
+    #: Needs more memory than this worker can ever hold: leave it for a bigger worker.
     NEVER = "never"
+    #: Can never run on this queue's model (prompt + max_new_tokens over its context): end it.
+    REJECT = "reject"
 
 
 @dataclass(frozen=True)
@@ -32,19 +37,22 @@ class Admission:
         free: Callable[[], int] | None = None,
         capacity: int | None = None,
         validate: Callable[[JobSpec], str | None] | None = None,
+        keep_free: int = 0,
     ) -> None:
         self._estimate = estimate
         self._free = free
         #: The largest need this worker could ever hold (idle, weights resident, reserve kept).
         self.capacity = capacity
         self._validate = validate
+        #: Bytes kept free on the device whatever the estimates say (--vram-reserve).
+        self.keep_free = keep_free
 
     def judge(self, spec: JobSpec, planned: int = 0) -> Decision:
         """``planned`` is memory already promised to jobs picked earlier in this turn."""
         if self._validate is not None:
             problem = self._validate(spec)
             if problem:
-                return Decision(Verdict.NEVER, 0, problem)
+                return Decision(Verdict.REJECT, 0, problem)
         if self._estimate is None:
             return Decision(Verdict.ADMIT)
         need = self._estimate(spec)
@@ -52,9 +60,10 @@ class Admission:
             return Decision(
                 Verdict.NEVER,
                 need,
-                f"needs {need} bytes; this worker holds at most {self.capacity}",
+                f"needs {format_size(need)} ({need} bytes); this worker holds at most "
+                f"{format_size(self.capacity)}",
             )
-        free = self._free() - planned if self._free is not None else need
+        free = self._free() - self.keep_free - planned if self._free is not None else need
         if need > free:
             return Decision(Verdict.WAIT, need, f"needs {need} bytes; {free} free")
         return Decision(Verdict.ADMIT, need)

@@ -14,7 +14,9 @@ from types import FrameType
 from typing import Any
 
 from workers.admission import Admission
+from workers.kvcache import format_size
 from workers.loop import Worker
+from workers.memory import MemoryProbe
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
@@ -42,19 +44,60 @@ class WorkerOptions:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    #: Behave as if the device had this many bytes, weights included (CPU hosts, tests).
+    vram_budget: int | None = None
+    #: Bytes always kept free on the device.
+    vram_reserve: int = 0
+    #: Default max_runtime for jobs that set none (seconds).
+    max_runtime: float | None = None
+    slow_after: float = 30.0
 
 
-def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
+def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe | None]:
+    """The runner, its admission rule and its memory probe. A model is loaded here, so a model
+    that fails to load is an error before the worker registers."""
     if opts.max_concurrency < 1:
         raise ConfigurationError("--max-concurrency must be at least 1")
-    if opts.runner == "echo":
-        return EchoRunner(delay=opts.echo_delay), Admission()
-    raise ConfigurationError(f"unknown runner {opts.runner!r}")
+    if opts.model is None and opts.runner == "echo":
+        return EchoRunner(delay=opts.echo_delay), Admission(), None
+    if opts.model is None:
+        raise ConfigurationError("the hf runner needs --model DIR")
+    return build_model_runner(opts)
+
+
+def build_model_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe]:
+    from workers.memory import make_probe
+    from workers.runners.hf import HFRunner  # imports torch: only for model workers
+
+    runner = HFRunner(
+        opts.model or "",
+        device=opts.device,
+        dtype=opts.dtype,
+        max_batch=opts.max_concurrency,
+        slow_after=opts.slow_after,
+        default_max_runtime=opts.max_runtime,
+    )
+    probe = make_probe(str(runner.describe()["device"]), opts.vram_budget, runner.weight_bytes)
+    capacity = probe.snapshot().free - opts.vram_reserve
+    if capacity <= 0:
+        runner.close()
+        raise ConfigurationError(
+            f"no device memory left for jobs: weights take {format_size(runner.weight_bytes)}, "
+            f"free {format_size(probe.snapshot().free)}, reserve {format_size(opts.vram_reserve)}"
+        )
+    admission = Admission(
+        estimate=runner.need_bytes,
+        free=lambda: probe.snapshot().free,
+        capacity=capacity,
+        validate=runner.validate,
+        keep_free=opts.vram_reserve,
+    )
+    return runner, admission, probe
 
 
 def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> int:
     """Run until stopped; returns the process exit code."""
-    runner, admission = build_runner(opts)  # a model that fails to load fails before we register
+    runner, admission, memory = build_runner(opts)  # a bad model fails before registering
     notifier = Notifier()
     zk = connect(settings)
     try:
@@ -71,6 +114,7 @@ def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> 
             heartbeat_interval=_heartbeat(opts, notifier),
             max_attempts=opts.max_attempts,
             admission=admission,
+            memory=memory,
             on_heartbeat=_watchdog(notifier),
         )
         _install_signals(worker, notifier)

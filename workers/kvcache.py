@@ -32,8 +32,14 @@ LOGITS_DTYPE_BYTES = 4
 
 _UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _FORMAT_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -75,8 +81,10 @@ def batch_need_bytes(
     if not prompt_tokens:
         return 0
     rows, longest, new = len(prompt_tokens), max(prompt_tokens), max(max_new_tokens)
-    raw = rows * (kv_cache_bytes(config, longest + new, dtype_bytes)
-                  + activation_bytes(config, longest, dtype_bytes))
+    raw = rows * (
+        kv_cache_bytes(config, longest + new, dtype_bytes)
+        + activation_bytes(config, longest, dtype_bytes)
+    )
     return math.ceil(raw * (1 + OVERHEAD_FRACTION))
 
 

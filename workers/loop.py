@@ -8,6 +8,7 @@ run on kazoo's thread; they just post events. Runners run on an executor thread 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue as queue_mod
@@ -33,7 +34,9 @@ from kazoo.exceptions import (
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent
 
 from workers.admission import Admission, Verdict
-from workers.runners.base import Outcome, Runner, RunningJob
+from workers.kvcache import format_size
+from workers.memory import MemoryProbe
+from workers.runners.base import Outcome, OutOfMemory, Runner, RunningJob
 from zkqueue import defaults
 from zkqueue import result as results
 from zkqueue.claims import Candidate, Claim, Claims
@@ -59,10 +62,6 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
-class OutOfMemory(Exception):
-    """Raised by a runner when a batch did not fit: its jobs are released for a smaller retry."""
-
-
 @dataclass
 class WorkerStats:
     claimed: int = 0
@@ -70,6 +69,8 @@ class WorkerStats:
     fenced: int = 0
     released: int = 0
     dead_lettered: int = 0
+    rejected: int = 0
+    out_of_memory: int = 0
     #: Watch notifications this worker's session received (line, view, running entries).
     watch_events: int = 0
 
@@ -85,6 +86,7 @@ class _Batch:
     held: list[_Held]
     need: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
+    out_of_memory: bool = False
 
 
 class Worker:
@@ -106,6 +108,7 @@ class Worker:
         max_attempts: int = defaults.MAX_ATTEMPTS,
         admission: Admission | None = None,
         max_batch: int | None = None,
+        memory: MemoryProbe | None = None,
         on_heartbeat: Callable[[Worker], None] | None = None,
     ) -> None:
         self.zk = zk
@@ -121,6 +124,8 @@ class Worker:
         self.max_attempts = max_attempts
         self.admission = admission or Admission()
         self.max_batch = max_batch or slots
+        self._full_batch = self.max_batch
+        self.memory = memory
         self.on_heartbeat = on_heartbeat
         self.state = NEW
         self.stats = WorkerStats()
@@ -179,6 +184,7 @@ class Worker:
             with contextlib.suppress(NodeExistsError):
                 self.zk.create(path, makepath=True)
         self.zk.add_listener(self._on_state)
+        self.registry.record.memory = self._memory_figures()
         self.registry.register(wait=self.zk_session_timeout)
         self.state = RUNNING
         self.registry.record.state = RUNNING
@@ -338,9 +344,54 @@ class Worker:
         decision = self.admission.judge(spec, planned)
         if decision.verdict == Verdict.ADMIT:
             return Candidate(priority, entry, data, stat, spec, decision.need)
-        if decision.verdict == Verdict.NEVER:
-            log.info("job %s cannot run here: %s", entry.job_id, decision.reason)
+        if decision.verdict == Verdict.REJECT:
+            self._reject(priority, entry, stat, decision.reason)
+        elif decision.verdict == Verdict.NEVER:
+            self._never_here(priority, entry, stat, decision.need, decision.reason)
         return None
+
+    def _reject(self, priority: str, entry: EntryName, stat: Any, reason: str) -> None:
+        self._end_unclaimed(priority, entry, stat, results.REJECTED, reason)
+        self.stats.rejected += 1
+
+    def _never_here(
+        self, priority: str, entry: EntryName, stat: Any, need: int, reason: str
+    ) -> None:
+        """Too big for this worker: reject it if no registered worker of the queue could ever
+        hold it, else leave it for a bigger one."""
+        largest = self._largest_capacity()
+        if largest is None or need <= largest:
+            log.info("job %s left for a bigger worker: %s", entry.job_id, reason)
+            return
+        self._reject(
+            priority,
+            entry,
+            stat,
+            f"needs {format_size(need)} ({need} bytes) of device memory; the largest "
+            f"worker of queue {self.queue!r} can hold {format_size(largest)} ({largest} bytes)",
+        )
+
+    def _largest_capacity(self) -> int | None:
+        capacities = []
+        for record in self._registry_records():
+            memory = record.get("memory") or {}
+            if record.get("queue") == self.queue and memory.get("capacity") is not None:
+                capacities.append(int(memory["capacity"]))
+        return max(capacities) if capacities else None
+
+    def _registry_records(self) -> list[dict[str, Any]]:
+        try:
+            names = self.zk.get_children(self.layout.workers())
+        except NoNodeError:
+            return []
+        calls = [self.zk.get_async(self.layout.worker(n)) for n in names]
+        records = []
+        for call in calls:
+            try:
+                records.append(json.loads(call.get()[0]))
+            except (NoNodeError, ValueError):
+                continue
+        return records
 
     def _letter(
         self, priority: str, name: str, data: bytes, stat: Any, reason: str, job_id: str | None
@@ -399,7 +450,10 @@ class Worker:
         for h in held:
             self._watch_entry(h)
         for start in range(0, len(held), self.max_batch):
-            batch = _Batch(held[start : start + self.max_batch], need)
+            part = held[start : start + self.max_batch]
+            batch = _Batch(part, need * len(part) // len(held))
+            if self.memory is not None:
+                self.memory.reserve(batch.need)
             self._executor.submit(self._execute, batch)
         log.info("claimed %s", ", ".join(f"{h.claim.id}({h.claim.priority})" for h in held))
 
@@ -421,9 +475,13 @@ class Worker:
         try:
             outcomes = self.runner.run(jobs)
         except OutOfMemory as exc:
-            for job in jobs:
-                job.cancel("released")
-            outcomes = [Outcome(results.FAILED, error=f"out of memory: {exc}") for _ in jobs]
+            # Keep what finished; release the rest for a retry in smaller batches.
+            batch.out_of_memory = True
+            outcomes = []
+            for job, done in zip(jobs, exc.outcomes, strict=True):
+                if done is None:
+                    job.cancel("released")
+                outcomes.append(done or Outcome(results.FAILED, error=f"out of memory: {exc}"))
         except Exception as exc:  # a runner bug must fail its jobs, never kill the worker
             log.exception("runner failed a batch of %d", len(jobs))
             outcomes = [Outcome(results.FAILED, error=f"runner error: {exc!r}") for _ in jobs]
@@ -440,6 +498,19 @@ class Worker:
             held.job.cancel("fenced")
 
     def _batch_done(self, batch: _Batch) -> None:
+        if self.memory is not None:
+            self.memory.release(batch.need)
+        if batch.out_of_memory:
+            self.stats.out_of_memory += 1
+            self.max_batch = max(1, len(batch.held) // 2)
+            log.error(
+                "out of memory in a batch of %d: released the unfinished jobs; batches are now "
+                "at most %d",
+                len(batch.held),
+                self.max_batch,
+            )
+        elif self.max_batch < self._full_batch and len(batch.held) == self.max_batch:
+            self.max_batch = min(self._full_batch, self.max_batch * 2)  # recover slowly
         for held, outcome in zip(batch.held, batch.outcomes, strict=True):
             self._to_complete.append((held, outcome))
         self._retry_completions()
@@ -532,12 +603,26 @@ class Worker:
         record.state = self.state
         record.slots_busy = self.busy
         record.running = [h.claim.id for h in self._held.values()]
+        record.memory = self._memory_figures()
         if self.on_heartbeat is not None:
             self.on_heartbeat(self)
         try:
             self.registry.update()
         except _ZK_TROUBLE:
             self._suspended = True
+
+    def _memory_figures(self) -> dict[str, Any] | None:
+        if self.memory is None:
+            return None
+        snap = self.memory.snapshot()
+        return {
+            "total": snap.total,
+            "free": snap.free,
+            "reserved": snap.reserved_by_jobs,
+            "keep_free": self.admission.keep_free,
+            "capacity": self.admission.capacity,
+            "source": snap.source,
+        }
 
     def _begin_stop(self, drain: bool) -> None:
         if self.state == DRAINING or not drain:

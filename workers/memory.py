@@ -126,8 +126,13 @@ class StaticBudget(_Ledger):
     def snapshot(self) -> MemorySnapshot:
         reserved = self.reserved
         free = max(0, self.total_bytes - self.weights_bytes - reserved)
-        return MemorySnapshot(total=self.total_bytes, free=free, reserved_by_jobs=reserved,
-                              device_free=free, source="static")
+        return MemorySnapshot(
+            total=self.total_bytes,
+            free=free,
+            reserved_by_jobs=reserved,
+            device_free=free,
+            source="static",
+        )
 
 
 class TorchProbe(_Ledger):
@@ -148,9 +153,14 @@ class TorchProbe(_Ledger):
         allocated, cached = _torch_figures(self.device)
         reserved = self.reserved
         free = admission_free(device_free, reserved, self.weights_bytes, allocated, cached)
-        return MemorySnapshot(total=int(total), free=free, reserved_by_jobs=reserved,
-                              device_free=int(device_free), reserved_by_torch=cached,
-                              source="torch")
+        return MemorySnapshot(
+            total=int(total),
+            free=free,
+            reserved_by_jobs=reserved,
+            device_free=int(device_free),
+            reserved_by_torch=cached,
+            source="torch",
+        )
 
 
 class NvmlProbe(_Ledger):
@@ -182,9 +192,15 @@ class NvmlProbe(_Ledger):
         allocated, cached = _torch_figures(_torch_device(self.device_index))
         reserved = self.reserved
         free = admission_free(int(info.free), reserved, self.weights_bytes, allocated, cached)
-        return MemorySnapshot(total=int(info.total), free=free, reserved_by_jobs=reserved,
-                              device_free=int(info.free), used_by_process=self._process_bytes(),
-                              reserved_by_torch=cached, source="nvml")
+        return MemorySnapshot(
+            total=int(info.total),
+            free=free,
+            reserved_by_jobs=reserved,
+            device_free=int(info.free),
+            used_by_process=self._process_bytes(),
+            reserved_by_torch=cached,
+            source="nvml",
+        )
 
     def close(self) -> None:
         if not self._closed:
@@ -214,8 +230,13 @@ class MeminfoProbe(_Ledger):
     def snapshot(self) -> MemorySnapshot:
         total, available = self._read()
         reserved = self.reserved
-        return MemorySnapshot(total=total, free=max(0, available - reserved),
-                              reserved_by_jobs=reserved, device_free=available, source="meminfo")
+        return MemorySnapshot(
+            total=total,
+            free=max(0, available - reserved),
+            reserved_by_jobs=reserved,
+            device_free=available,
+            source="meminfo",
+        )
 
     def _read(self) -> tuple[int, int]:
         fields = parse_meminfo(self.path.read_text())

@@ -81,7 +81,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     pad, bos, eos, unk = SPECIAL_TOKENS
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+        tokenizer_object=bpe,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        unk_token=unk,
         model_max_length=CONTEXT_LENGTH,
     )
 

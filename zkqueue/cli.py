@@ -16,6 +16,24 @@ from zkqueue.client import Client
 from zkqueue.errors import ExitCode, JobTimeout, ZkqError
 from zkqueue.result import Result
 
+
+class _Size(click.ParamType):
+    """A byte size such as 512MiB or 2GB."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from workers.kvcache import parse_size
+
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ZkqError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = _Size()
 _CTX = {"auto_envvar_prefix": "ZKQ", "help_option_names": ["-h", "--help"]}
 
 
@@ -331,7 +349,36 @@ def workers(ctx: click.Context, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--queue", default=defaults.QUEUE, show_default=True)
-@click.option("--runner", type=click.Choice(["echo"]), default="echo", show_default=True)
+@click.option(
+    "--runner",
+    type=click.Choice(["echo", "hf"]),
+    default="echo",
+    show_default=True,
+    help="echo (smoke tests, benchmarks) or hf (a transformers model; implied by --model).",
+)
+@click.option("--model", default=None, help="Local model directory (transformers causal LM).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float16", "bfloat16", "float32"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--vram-budget",
+    type=SIZE,
+    default=None,
+    help="Act as if the device had SIZE (e.g. 512MiB), weights included; for CPU hosts.",
+)
+@click.option(
+    "--vram-reserve", type=SIZE, default=0, help="Keep SIZE of device memory free always."
+)
+@click.option(
+    "--max-runtime", type=float, default=None, help="Default max runtime per job, seconds."
+)
+@click.option(
+    "--slow-after", type=float, default=30.0, show_default=True, help="Log jobs slower than this."
+)
 @click.option(
     "--echo-delay",
     type=float,
@@ -360,8 +407,9 @@ def worker(ctx: click.Context, **options: Any) -> None:
     """Run a worker daemon on a queue until SIGTERM (drain) or a second signal (release).
 
     \b
-    Example:
+    Examples:
       zkq worker --queue default --runner echo --max-concurrency 4
+      zkq worker --queue llama --model /srv/models/llama --max-concurrency 8 --vram-reserve 2GiB
     """
     from workers.daemon import WorkerOptions, run_worker
     from zkqueue.connection import ConnectionSettings
@@ -371,6 +419,22 @@ def worker(ctx: click.Context, **options: Any) -> None:
         hosts=o["zk"], session_timeout=o["session_timeout"], connect_timeout=o["connect_timeout"]
     )
     sys.exit(run_worker(settings, o["root"], WorkerOptions(**options)))
+
+
+@cli.command("tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+@handles_errors
+def tiny_model(directory: str, seed: int) -> None:
+    """Write a small random-weight causal LM (config, safetensors, BPE tokenizer) to DIRECTORY.
+
+    \b
+    Example:
+      zkq tiny-model /tmp/tiny && zkq worker --model /tmp/tiny
+    """
+    from workers.tinymodel import write_tiny_model
+
+    click.echo(str(write_tiny_model(directory, seed=seed)))
 
 
 def main() -> None:

@@ -47,6 +47,17 @@ class Outcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class OutOfMemory(Exception):
+    """A batch did not fit the device. ``outcomes`` lines up with the batch's jobs: the outcome of
+    each job that finished before the failure, None for the others (the worker releases those and
+    retries them in smaller batches)."""
+
+    def __init__(self, message: str, outcomes: list[Outcome | None], batch_size: int) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+        self.batch_size = batch_size
+
+
 class Runner(Protocol):
     """Turns a batch of jobs into one outcome per job, in the same order."""
 

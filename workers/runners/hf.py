@@ -21,8 +21,8 @@ How a batch is run:
 * ``max_runtime`` counts from the start of the job's own ``generate`` call.
 
 ``Outcome.extra`` holds prompt_tokens, output_tokens, ttft_s (from the call's start to its first
-decoding step, as the stopping criterion first sees it) and total_s (to the row's stop). ``progress``
-on each job is its token count, updated every step.
+decoding step, as the stopping criterion first sees it) and total_s (to the row's stop).
+``progress`` on each job is its token count, updated every step.
 
 A CUDA out-of-memory error frees the cache and raises ``BatchOutOfMemory`` (which carries the
 outcomes already finished); the worker owns the retry with smaller batches. Any other error in
@@ -46,7 +46,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from workers import kvcache
-from workers.runners.base import Outcome, RunningJob
+from workers.runners.base import Outcome, OutOfMemory, RunningJob
 from zkqueue import result
 from zkqueue.errors import ConfigurationError
 from zkqueue.spec import JobSpec
@@ -54,25 +54,20 @@ from zkqueue.spec import JobSpec
 log = logging.getLogger("zkq.runner")
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 #: torch's global RNG is process-wide: seeded generations take turns.
 _SEED_LOCK = threading.Lock()
 
 
-class BatchOutOfMemory(Exception):
-    """The device ran out of memory during ``generate``; the cache was freed before raising.
-
-    ``outcomes`` is aligned with the jobs passed to ``run``: the outcome of each job finished
-    before the failing call, None for the others (the failing call's jobs included).
-    """
-
-    def __init__(self, message: str, outcomes: list[Outcome | None], batch_size: int) -> None:
-        super().__init__(message)
-        self.outcomes = outcomes
-        self.batch_size = batch_size
+class BatchOutOfMemory(OutOfMemory):
+    """The device ran out of memory during ``generate``; the cache was freed before raising."""
 
 
 @dataclass
@@ -97,8 +92,9 @@ class _Row:
 class _RowStopper(StoppingCriteria):
     """Per-row stop verdicts, progress and slow-job warnings, evaluated once per decoding step."""
 
-    def __init__(self, rows: list[_Row], width: int, eos: set[int], started: float,
-                 slow_after: float) -> None:
+    def __init__(
+        self, rows: list[_Row], width: int, eos: set[int], started: float, slow_after: float
+    ) -> None:
         self.rows, self.width, self.eos = rows, width, eos
         self.started, self.slow_after = started, slow_after
         self.first_token_at: float | None = None
@@ -134,16 +130,28 @@ class _RowStopper(StoppingCriteria):
         elapsed = (row.stopped_at or now) - self.started
         if not row.warned_slow and elapsed > self.slow_after:
             row.warned_slow = True
-            log.warning("job %s has been running for %.1f s (prompt %d tokens, %d generated)",
-                        row.job.id, elapsed, len(row.ids), row.generated)
+            log.warning(
+                "job %s has been running for %.1f s (prompt %d tokens, %d generated)",
+                row.job.id,
+                elapsed,
+                len(row.ids),
+                row.generated,
+            )
 
 
 class HFRunner:
     """Runs jobs on a local HuggingFace causal LM (see the module docstring for the batching)."""
 
-    def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 max_batch: int = 8, slow_after: float = 30.0,
-                 default_max_runtime: float | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch: int = 8,
+        slow_after: float = 30.0,
+        default_max_runtime: float | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ConfigurationError(f"max_batch must be at least 1, not {max_batch}")
         self.path = Path(model_dir).expanduser()
@@ -183,9 +191,15 @@ class HFRunner:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.name, "device": str(self.device), "dtype": _dtype_name(self.dtype),
-                "dtype_bytes": self.dtype_bytes, "weight_bytes": self.weight_bytes,
-                "max_batch": self.max_batch, "context_length": self.context_length}
+        return {
+            "model": self.name,
+            "device": str(self.device),
+            "dtype": _dtype_name(self.dtype),
+            "dtype_bytes": self.dtype_bytes,
+            "weight_bytes": self.weight_bytes,
+            "max_batch": self.max_batch,
+            "context_length": self.context_length,
+        }
 
     def count_tokens(self, prompt: str) -> int:
         """Tokens the prompt takes, special tokens included, exactly as ``run`` encodes it."""
@@ -197,8 +211,9 @@ class HFRunner:
 
     def need_bytes(self, spec: JobSpec) -> int:
         """Estimated device bytes the job adds to the resident weights (KV cache + activations)."""
-        return kvcache.job_need_bytes(self.config, self.count_tokens(spec.prompt),
-                                      spec.max_new_tokens, self.dtype_bytes)
+        return kvcache.job_need_bytes(
+            self.config, self.count_tokens(spec.prompt), spec.max_new_tokens, self.dtype_bytes
+        )
 
     # -- running ------------------------------------------------------------------------------
 
@@ -231,8 +246,9 @@ class HFRunner:
             if job.cancelled.is_set():
                 outcomes[index] = _outcome(_Row(index, job, ids, reason="cancelled"), "", 0.0, None)
             elif error is not None:
-                outcomes[index] = Outcome(result.FAILED, error=error,
-                                          extra={"prompt_tokens": len(ids)})
+                outcomes[index] = Outcome(
+                    result.FAILED, error=error, extra={"prompt_tokens": len(ids)}
+                )
             else:
                 rows.append(_Row(index, job, ids))
         return rows
@@ -242,9 +258,11 @@ class HFRunner:
             return "the prompt encodes to no tokens"
         limit = self.context_length
         if prompt_tokens + max_new_tokens > limit:
-            return (f"prompt is {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} that "
-                    f"exceeds the model context of {limit} tokens (at most "
-                    f"{max(0, limit - max_new_tokens)} prompt tokens for this max_new_tokens)")
+            return (
+                f"prompt is {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} that "
+                f"exceeds the model context of {limit} tokens (at most "
+                f"{max(0, limit - max_new_tokens)} prompt tokens for this max_new_tokens)"
+            )
         return None
 
     def _plan(self, rows: list[_Row]) -> list[list[_Row]]:
@@ -285,8 +303,11 @@ class HFRunner:
         except Exception as exc:
             log.exception("generate failed for jobs %s", ", ".join(r.job.id for r in rows))
             for row in rows:
-                outcomes[row.index] = Outcome(result.FAILED, error=f"generation failed: {exc}",
-                                              extra={"prompt_tokens": len(row.ids)})
+                outcomes[row.index] = Outcome(
+                    result.FAILED,
+                    error=f"generation failed: {exc}",
+                    extra={"prompt_tokens": len(row.ids)},
+                )
             return
         else:
             self._collect(rows, output[:, width:].tolist(), stopper, started, outcomes)
@@ -300,20 +321,29 @@ class HFRunner:
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
-            ids[i, width - len(row.ids):] = torch.tensor(row.ids)
-            mask[i, width - len(row.ids):] = 1
+            ids[i, width - len(row.ids) :] = torch.tensor(row.ids)
+            mask[i, width - len(row.ids) :] = 1
         spec = rows[0].job.spec
         sampling, seed = _sampling(spec)
         with _seeded(seed, self.device):
             return self._model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                max_new_tokens=max(r.max_new for r in rows), pad_token_id=pad,
-                eos_token_id=sorted(self._eos), stopping_criteria=StoppingCriteriaList([stopper]),
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=max(r.max_new for r in rows),
+                pad_token_id=pad,
+                eos_token_id=sorted(self._eos),
+                stopping_criteria=StoppingCriteriaList([stopper]),
                 **_sampling_kwargs(sampling),
             )
 
-    def _collect(self, rows: list[_Row], generated: list[list[int]], stopper: _RowStopper,
-                 started: float, outcomes: list[Outcome | None]) -> None:
+    def _collect(
+        self,
+        rows: list[_Row],
+        generated: list[list[int]],
+        stopper: _RowStopper,
+        started: float,
+        outcomes: list[Outcome | None],
+    ) -> None:
         ttft = None if stopper.first_token_at is None else stopper.first_token_at - started
         ended = time.monotonic()
         for row, tokens in zip(rows, generated, strict=True):
@@ -372,8 +402,9 @@ def _load(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, An
         raise ConfigurationError(f"{path} is not a model directory: it has no config.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                          **_dtype_kwarg(dtype))
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, **_dtype_kwarg(dtype)
+        )
         model = model.to(device).eval()
     except Exception as exc:
         raise ConfigurationError(f"cannot load a causal language model from {path}: {exc}") from exc
@@ -434,8 +465,12 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 
 
 def _outcome(row: _Row, text: str, total_s: float, ttft_s: float | None) -> Outcome:
-    extra = {"prompt_tokens": len(row.ids), "output_tokens": row.generated,
-             "ttft_s": None if ttft_s is None else round(ttft_s, 6), "total_s": round(total_s, 6)}
+    extra = {
+        "prompt_tokens": len(row.ids),
+        "output_tokens": row.generated,
+        "ttft_s": None if ttft_s is None else round(ttft_s, 6),
+        "total_s": round(total_s, 6),
+    }
     if row.reason == "cancelled":
         why = row.job.cancel_reason or "cancelled"
         return Outcome(result.CANCELLED, text, f"job was {why} after {row.generated} tokens", extra)
