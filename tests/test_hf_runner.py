@@ -48,16 +48,22 @@ def direct(tiny_dir: Path) -> tuple[Any, Any]:
 
 
 def job(prompt: str = "Hello", job_id: str = "job", **spec: Any) -> RunningJob:
-    return RunningJob(id=job_id, spec=JobSpec(prompt=prompt, **spec), priority="normal",
-                      queue="default", attempts=1)
+    return RunningJob(
+        id=job_id,
+        spec=JobSpec(prompt=prompt, **spec),
+        priority="normal",
+        queue="default",
+        attempts=1,
+    )
 
 
 def generate_directly(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
     """Plain ``model.generate`` on one prompt, decoded up to the first eos."""
     enc = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
-    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    out = model.generate(
+        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    new = out[0, enc["input_ids"].shape[1] :].tolist()
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
     return str(tokenizer.decode(new, skip_special_tokens=True))
@@ -113,8 +119,9 @@ def test_need_bytes_grows_with_the_job(runner: HFRunner) -> None:
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 12, 40])
-def test_single_greedy_job_matches_generate(runner: HFRunner, direct: tuple[Any, Any],
-                                            max_new_tokens: int) -> None:
+def test_single_greedy_job_matches_generate(
+    runner: HFRunner, direct: tuple[Any, Any], max_new_tokens: int
+) -> None:
     for prompt in PROMPTS:
         [outcome] = runner.run([job(prompt, max_new_tokens=max_new_tokens)])
         assert outcome.status == "succeeded", outcome.error
@@ -123,12 +130,14 @@ def test_single_greedy_job_matches_generate(runner: HFRunner, direct: tuple[Any,
 
 
 def test_batch_equals_each_job_alone_in_one_generate_call(
-        runner: HFRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     limits = [5, 30, 17, 40, 1]
     pairs = zip(PROMPTS, limits, strict=True)
     jobs = [job(p, f"j{i}", max_new_tokens=n) for i, (p, n) in enumerate(pairs)]
-    alone = [runner.run([job(j.spec.prompt, max_new_tokens=j.spec.max_new_tokens)])[0]
-             for j in jobs]
+    alone = [
+        runner.run([job(j.spec.prompt, max_new_tokens=j.spec.max_new_tokens)])[0] for j in jobs
+    ]
     calls = count_generate_calls(monkeypatch, runner)
     batched = runner.run(jobs)
     assert calls == [len(jobs)]
@@ -155,8 +164,9 @@ def test_eos_ends_a_row_early_while_others_continue(tiny_dir: Path) -> None:
     hf = HFRunner(tiny_dir, device="cpu", dtype="float32")
     tokenizer = hf._tokenizer
     enc = tokenizer(PROMPTS[1], return_tensors="pt")
-    out = hf._model.generate(**enc, max_new_tokens=3, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+    out = hf._model.generate(
+        **enc, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     third = int(out[0, -1])
     with torch.no_grad():
         head = hf._model.lm_head.weight
@@ -183,12 +193,17 @@ def test_seeded_sampling_is_reproducible_and_leaves_greedy_alone(runner: HFRunne
     assert first[1].output == greedy
 
 
-def test_sampling_jobs_run_apart_from_greedy_ones(runner: HFRunner,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = [job(PROMPTS[0], max_new_tokens=4), job(PROMPTS[1], max_new_tokens=4, top_p=0.9),
-            job(PROMPTS[2], max_new_tokens=4), job(PROMPTS[3], max_new_tokens=4, top_p=0.9),
-            job(PROMPTS[4], max_new_tokens=4, temperature=0.8, seed=1),
-            job(PROMPTS[4], max_new_tokens=4, seed=1)]  # a seed alone: greedy
+def test_sampling_jobs_run_apart_from_greedy_ones(
+    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs = [
+        job(PROMPTS[0], max_new_tokens=4),
+        job(PROMPTS[1], max_new_tokens=4, top_p=0.9),
+        job(PROMPTS[2], max_new_tokens=4),
+        job(PROMPTS[3], max_new_tokens=4, top_p=0.9),
+        job(PROMPTS[4], max_new_tokens=4, temperature=0.8, seed=1),
+        job(PROMPTS[4], max_new_tokens=4, seed=1),
+    ]  # a seed alone: greedy
     calls = count_generate_calls(monkeypatch, runner)
     outcomes = runner.run(jobs)
     assert [o.status for o in outcomes] == ["succeeded"] * 6
@@ -246,8 +261,9 @@ def test_default_max_runtime_applies(tiny_dir: Path) -> None:
     hf.close()
 
 
-def test_slow_jobs_are_logged(runner: HFRunner, monkeypatch: pytest.MonkeyPatch,
-                              caplog: pytest.LogCaptureFixture) -> None:
+def test_slow_jobs_are_logged(
+    runner: HFRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(runner, "slow_after", 0.0)
     with caplog.at_level(logging.WARNING, logger="zkq.runner"):
         runner.run([job(PROMPTS[1], "slowpoke", max_new_tokens=3)])
@@ -274,8 +290,9 @@ def test_prompt_too_long_fails_alone(runner: HFRunner) -> None:
     assert runner.validate(fine.spec) is None
 
 
-def test_out_of_memory_becomes_batch_out_of_memory(runner: HFRunner,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_out_of_memory_becomes_batch_out_of_memory(
+    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = runner._model.generate
 
     def oom_when_sampling(*args: Any, **kwargs: Any) -> Any:
@@ -293,8 +310,9 @@ def test_out_of_memory_becomes_batch_out_of_memory(runner: HFRunner,
     assert info.value.batch_size == 1
 
 
-def test_other_generate_errors_fail_the_jobs(runner: HFRunner,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_other_generate_errors_fail_the_jobs(
+    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("kernel exploded")
 
@@ -318,13 +336,17 @@ def test_directory_without_a_model_is_a_configuration_error(tmp_path: Path) -> N
         HFRunner(tmp_path, device="cpu")
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"dtype": "float8"}, "unknown dtype"),
-    ({"max_batch": 0}, "max_batch"),
-    ({"device": "nonsense"}, "bad device"),
-])
-def test_bad_settings_are_configuration_errors(tiny_dir: Path, kwargs: dict[str, Any],
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "float8"}, "unknown dtype"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"device": "nonsense"}, "bad device"),
+    ],
+)
+def test_bad_settings_are_configuration_errors(
+    tiny_dir: Path, kwargs: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ConfigurationError, match=message):
         HFRunner(tiny_dir, **kwargs)
 

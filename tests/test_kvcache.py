@@ -25,8 +25,14 @@ from zkqueue.errors import ConfigurationError
 
 def llama_7b_like() -> LlamaConfig:
     """A Llama-like 7B config with grouped-query attention (no weights are built)."""
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
+    return LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
 
 
 def test_kv_cache_of_a_7b_gqa_config() -> None:
@@ -44,8 +50,13 @@ def test_kv_heads_default_to_attention_heads() -> None:
 
 
 def test_explicit_head_dim_wins() -> None:
-    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=1, head_dim=256)
+    cfg = LlamaConfig(
+        hidden_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+    )
     assert kv_cache_bytes(cfg, 1, 2) == 2 * 4 * 1 * 256 * 2
 
 
@@ -79,27 +90,31 @@ def test_batch_pads_to_the_longest_prompt_and_largest_max_new_tokens() -> None:
         batch_need_bytes(cfg, [1], [1, 2], 2)
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("0", 0),
-    ("100", 100),
-    (4096, 4096),
-    ("512B", 512),
-    ("1KB", 1000),
-    ("1kib", 1024),
-    ("512MiB", 512 * 2**20),
-    ("512 MiB", 512 * 2**20),
-    ("16GB", 16 * 10**9),
-    ("1.5GiB", 3 * 2**29),
-    (" 2 TiB ", 2 * 2**40),
-    ("3TB", 3 * 10**12),
-    ("80gib", 80 * 2**30),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("100", 100),
+        (4096, 4096),
+        ("512B", 512),
+        ("1KB", 1000),
+        ("1kib", 1024),
+        ("512MiB", 512 * 2**20),
+        ("512 MiB", 512 * 2**20),
+        ("16GB", 16 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        (" 2 TiB ", 2 * 2**40),
+        ("3TB", 3 * 10**12),
+        ("80gib", 80 * 2**30),
+    ],
+)
 def test_parse_size(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize(
-    "text", ["", "abc", "12 XB", "-5", "1.2.3", "GiB", "5 M B", "1e9", -1, True, 2.5])
+    "text", ["", "abc", "12 XB", "-5", "1.2.3", "GiB", "5 M B", "1e9", -1, True, 2.5]
+)
 def test_parse_size_refuses_with_a_clear_error(text: object) -> None:
     with pytest.raises(InvalidSize) as info:
         parse_size(text)  # type: ignore[arg-type]
@@ -112,16 +127,19 @@ def test_parse_size_error_lists_the_units() -> None:
         parse_size("12 XB")
 
 
-@pytest.mark.parametrize(("n", "text"), [
-    (0, "0 B"),
-    (1023, "1023 B"),
-    (1024, "1 KiB"),
-    (1536, "1.5 KiB"),
-    (512 * 2**20, "512 MiB"),
-    (3 * 2**29, "1.5 GiB"),
-    (80 * 2**30, "80 GiB"),
-    (2**41, "2 TiB"),
-])
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (1536, "1.5 KiB"),
+        (512 * 2**20, "512 MiB"),
+        (3 * 2**29, "1.5 GiB"),
+        (80 * 2**30, "80 GiB"),
+        (2**41, "2 TiB"),
+    ],
+)
 def test_format_size(n: int, text: str) -> None:
     assert format_size(n) == text
 

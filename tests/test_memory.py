@@ -30,9 +30,9 @@ MiB = 2**20
 
 def test_static_budget_counts_weights_and_reservations() -> None:
     budget = StaticBudget(1000 * MiB, 300 * MiB)
-    assert budget.snapshot() == MemorySnapshot(total=1000 * MiB, free=700 * MiB,
-                                               reserved_by_jobs=0, device_free=700 * MiB,
-                                               source="static")
+    assert budget.snapshot() == MemorySnapshot(
+        total=1000 * MiB, free=700 * MiB, reserved_by_jobs=0, device_free=700 * MiB, source="static"
+    )
     budget.reserve(200 * MiB)
     budget.reserve(100 * MiB)
     snap = budget.snapshot()
@@ -159,15 +159,18 @@ def test_admission_free_counts_reusable_cache_and_unallocated_promises() -> None
 # -- CUDA_VISIBLE_DEVICES mapping ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    (None, None),
-    ("", []),
-    ("0,1", ["0", "1"]),
-    (" 2 , 0 ", ["2", "0"]),
-    ("1,-1,0", ["1"]),
-    ("GPU-8f2c,MIG-11aa", ["GPU-8f2c", "MIG-11aa"]),
-    ("1,foo,2", ["1"]),
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (None, None),
+        ("", []),
+        ("0,1", ["0", "1"]),
+        (" 2 , 0 ", ["2", "0"]),
+        ("1,-1,0", ["1"]),
+        ("GPU-8f2c,MIG-11aa", ["GPU-8f2c", "MIG-11aa"]),
+        ("1,foo,2", ["1"]),
+    ],
+)
 def test_visible_devices(env: str | None, expected: list[str] | None) -> None:
     assert visible_devices(env) == expected
 
@@ -197,16 +200,20 @@ class FakeNvml:
         return self.UUIDS[handle].encode()
 
 
-@pytest.mark.parametrize(("env", "logical", "physical"), [
-    (None, 1, 1),
-    ("2,0", 0, 2),
-    ("2,0", 1, 0),
-    ("GPU-bbbb-2222", 0, 1),
-    ("1,GPU-bbbc", 1, 2),
-    ("GPU-a", 0, 0),
-])
-def test_logical_index_maps_to_physical(monkeypatch: pytest.MonkeyPatch, env: str | None,
-                                        logical: int, physical: int) -> None:
+@pytest.mark.parametrize(
+    ("env", "logical", "physical"),
+    [
+        (None, 1, 1),
+        ("2,0", 0, 2),
+        ("2,0", 1, 0),
+        ("GPU-bbbb-2222", 0, 1),
+        ("1,GPU-bbbc", 1, 2),
+        ("GPU-a", 0, 0),
+    ],
+)
+def test_logical_index_maps_to_physical(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, logical: int, physical: int
+) -> None:
     if env is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -214,14 +221,18 @@ def test_logical_index_maps_to_physical(monkeypatch: pytest.MonkeyPatch, env: st
     assert memory._nvml_handle(FakeNvml(), logical) == physical
 
 
-@pytest.mark.parametrize(("env", "logical", "message"), [
-    ("2,0", 2, "not visible"),
-    ("", 0, "not visible"),
-    ("GPU-bbb", 0, "matches 2"),
-    ("GPU-zzzz", 0, "matches 0"),
-])
-def test_unmappable_devices(monkeypatch: pytest.MonkeyPatch, env: str, logical: int,
-                            message: str) -> None:
+@pytest.mark.parametrize(
+    ("env", "logical", "message"),
+    [
+        ("2,0", 2, "not visible"),
+        ("", 0, "not visible"),
+        ("GPU-bbb", 0, "matches 2"),
+        ("GPU-zzzz", 0, "matches 0"),
+    ],
+)
+def test_unmappable_devices(
+    monkeypatch: pytest.MonkeyPatch, env: str, logical: int, message: str
+) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
     with pytest.raises(ConfigurationError, match=message):
         memory._nvml_handle(FakeNvml(), logical)

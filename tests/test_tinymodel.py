@@ -36,12 +36,15 @@ def test_loads_with_auto_classes(tiny_dir: Path) -> None:
     assert next(model.parameters()).dtype == torch.float32
 
 
-@pytest.mark.parametrize("text", [
-    "Hello world!",
-    "The worker admits a job only when a slot is free.",
-    "ünïcödé, emoji 🚀 and\ttabs\nnewlines   spaces",
-    "def run(jobs): return [outcome for job in jobs]",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello world!",
+        "The worker admits a job only when a slot is free.",
+        "ünïcödé, emoji 🚀 and\ttabs\nnewlines   spaces",
+        "def run(jobs): return [outcome for job in jobs]",
+    ],
+)
 def test_tokenizer_round_trips(tiny_dir: Path, text: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
     ids = tokenizer(text)["input_ids"]
@@ -53,8 +56,9 @@ def test_generates_tokens(tiny_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
     enc = tokenizer("Hello", return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=8, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        **enc, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     assert out.shape == (1, enc["input_ids"].shape[1] + 8)
 
 

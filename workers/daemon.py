@@ -11,7 +11,7 @@ import signal
 import time
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.admission import Admission
 from workers.kvcache import format_size
@@ -23,6 +23,9 @@ from workers.systemd import Notifier
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect
 from zkqueue.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from workers.runners.hf import HFRunner
 
 log = logging.getLogger("zkq.daemon")
 
@@ -66,7 +69,6 @@ def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe | 
 
 
 def build_model_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe]:
-    from workers.memory import make_probe
     from workers.runners.hf import HFRunner  # imports torch: only for model workers
 
     runner = HFRunner(
@@ -77,22 +79,35 @@ def build_model_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryPr
         slow_after=opts.slow_after,
         default_max_runtime=opts.max_runtime,
     )
-    probe = make_probe(str(runner.describe()["device"]), opts.vram_budget, runner.weight_bytes)
-    capacity = probe.snapshot().free - opts.vram_reserve
-    if capacity <= 0:
+    try:
+        admission, probe = memory_admission(runner, opts.vram_budget, opts.vram_reserve)
+    except ConfigurationError:
         runner.close()
+        raise
+    return runner, admission, probe
+
+
+def memory_admission(
+    runner: HFRunner, budget: int | None, reserve: int
+) -> tuple[Admission, MemoryProbe]:
+    """Admission by estimated need against the device's free memory (or a static budget)."""
+    from workers.memory import make_probe
+
+    probe = make_probe(str(runner.describe()["device"]), budget, runner.weight_bytes)
+    capacity = probe.snapshot().free - reserve
+    if capacity <= 0:
         raise ConfigurationError(
             f"no device memory left for jobs: weights take {format_size(runner.weight_bytes)}, "
-            f"free {format_size(probe.snapshot().free)}, reserve {format_size(opts.vram_reserve)}"
+            f"free {format_size(probe.snapshot().free)}, reserve {format_size(reserve)}"
         )
     admission = Admission(
         estimate=runner.need_bytes,
         free=lambda: probe.snapshot().free,
         capacity=capacity,
         validate=runner.validate,
-        keep_free=opts.vram_reserve,
+        keep_free=reserve,
     )
-    return runner, admission, probe
+    return admission, probe
 
 
 def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> int:

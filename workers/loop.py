@@ -56,6 +56,8 @@ _ZK_TROUBLE = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 _SCAN_LIMIT = 64
 #: After a drain times out, how long released jobs get to stop before the worker exits anyway.
 _RELEASE_GRACE = 5.0
+#: After an out-of-memory, full batches that must fit before the batch limit doubles again.
+_GROW_AFTER = 16
 
 
 def default_worker_id() -> str:
@@ -125,6 +127,7 @@ class Worker:
         self.admission = admission or Admission()
         self.max_batch = max_batch or slots
         self._full_batch = self.max_batch
+        self._fitting_batches = 0
         self.memory = memory
         self.on_heartbeat = on_heartbeat
         self.state = NEW
@@ -236,7 +239,7 @@ class Worker:
             self.view.invalidate(event[1])
             self._queue_empty = False
         elif kind == "entry":
-            self._entry_changed(event[1], event[2])
+            self._entry_changed(event[1], event[2], event[3])
         elif kind == "done":
             self._batch_done(event[1])
         elif kind == "state":
@@ -289,8 +292,9 @@ class Worker:
             self.view.invalidate()
             self._post("wake")  # lost a race: re-read and try again
             return
-        for c in picked:
-            self.view.drop(c.priority, c.entry)
+        # Claimed entries stay pending until completed; mark them claimed, never forget them:
+        # a release or crash makes them claimable again and only the claims watch will say so.
+        self.view.claimed.update(c.entry.name for c in picked)
         self._start(claimed, sum(c.need for c in picked))
 
     def _pick(self, free: int) -> list[Candidate]:
@@ -461,7 +465,7 @@ class Worker:
         name = held.claim.entry.name
 
         def watch(event: WatchedEvent) -> None:
-            self._post("entry", name, event.type)
+            self._post("entry", name, event.type, held)
 
         path = self.claims.entry_path(held.claim.priority, held.claim.entry)
         stat = self.zk.exists(path, watch=watch)
@@ -488,10 +492,10 @@ class Worker:
         batch.outcomes = outcomes
         self._post("done", batch)
 
-    def _entry_changed(self, name: str, event_type: str) -> None:
+    def _entry_changed(self, name: str, event_type: str, watched: _Held) -> None:
         held = self._held.get(name)
-        if held is None:
-            return
+        if held is not watched:
+            return  # a watch from an earlier claim of this entry (our own re-claim fired it)
         if event_type == EventType.DELETED:
             held.job.cancel("cancelled")
         elif event_type == EventType.CHANGED:
@@ -503,6 +507,7 @@ class Worker:
         if batch.out_of_memory:
             self.stats.out_of_memory += 1
             self.max_batch = max(1, len(batch.held) // 2)
+            self._fitting_batches = 0
             log.error(
                 "out of memory in a batch of %d: released the unfinished jobs; batches are now "
                 "at most %d",
@@ -510,7 +515,12 @@ class Worker:
                 self.max_batch,
             )
         elif self.max_batch < self._full_batch and len(batch.held) == self.max_batch:
-            self.max_batch = min(self._full_batch, self.max_batch * 2)  # recover slowly
+            # Grow back only after a run of full batches that fit, so a batch size that does
+            # not fit is not retried (and its jobs' attempts spent) over and over.
+            self._fitting_batches += 1
+            if self._fitting_batches >= _GROW_AFTER:
+                self._fitting_batches = 0
+                self.max_batch = min(self._full_batch, self.max_batch * 2)
         for held, outcome in zip(batch.held, batch.outcomes, strict=True):
             self._to_complete.append((held, outcome))
         self._retry_completions()
