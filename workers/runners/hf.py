@@ -151,7 +151,10 @@ class HFRunner:
         max_batch: int = 8,
         slow_after: float = 30.0,
         default_max_runtime: float | None = None,
+        loaded: tuple[Any, Any] | None = None,
     ) -> None:
+        """``loaded`` = (tokenizer, model) already in memory (checks that build a model on the
+        device directly); otherwise both are loaded from ``model_dir``, offline."""
         if max_batch < 1:
             raise ConfigurationError(f"max_batch must be at least 1, not {max_batch}")
         self.path = Path(model_dir).expanduser()
@@ -163,7 +166,10 @@ class HFRunner:
         self.default_max_runtime = default_max_runtime
         self._lock = threading.Lock()  # one run at a time
         self._tok_lock = threading.Lock()  # a Rust tokenizer must not be used by two threads
-        self._tokenizer, self._model = _load(self.path, self.device, self.dtype)
+        if loaded is None:
+            self._tokenizer, self._model = _load(self.path, self.device, self.dtype)
+        else:
+            self._tokenizer, self._model = _prepare_tokenizer(loaded[0], self.path), loaded[1]
         self._eos = _eos_ids(self._model, self._tokenizer)
 
     # -- what the worker reads ----------------------------------------------------------------
@@ -408,12 +414,17 @@ def _load(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, An
         model = model.to(device).eval()
     except Exception as exc:
         raise ConfigurationError(f"cannot load a causal language model from {path}: {exc}") from exc
+    return _prepare_tokenizer(tokenizer, path), model
+
+
+def _prepare_tokenizer(tokenizer: Any, path: Path) -> Any:
+    """Left padding for batched generation, and a pad token (eos if the model has none)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigurationError(f"the tokenizer in {path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, model
+    return tokenizer
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:

@@ -1,0 +1,88 @@
+"""The shipped deployment files and the GPU check script."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zkqueue import defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_systemd_unit_template() -> None:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(ROOT / "deploy" / "zkq-worker@.service")
+    service = unit["Service"]
+    assert service["Type"] == "notify"
+    assert service["EnvironmentFile"] == "/etc/zkq/%i.env"
+    assert service["Restart"] == "on-failure"
+    assert service["KillSignal"] == "SIGTERM"
+    assert int(service["TimeoutStopSec"]) > defaults.DRAIN_TIMEOUT
+    assert " worker" in service["ExecStart"]
+
+
+def test_example_env_names_real_options(zkq) -> None:
+    names = [
+        line.split("=", 1)[0]
+        for line in (ROOT / "deploy" / "example.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    help_text = zkq("worker", "--help").stdout
+    for name in names:
+        if name.startswith("ZKQ_WORKER_"):
+            option = "--" + name.removeprefix("ZKQ_WORKER_").lower().replace("_", "-")
+            assert option in help_text, option
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_check_says_no_gpu_clearly() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "no CUDA GPU here" in out.stderr
+
+
+def test_gpu_check_logic_on_a_small_cpu_configuration() -> None:
+    args = [
+        "--device",
+        "cpu",
+        "--allow-cpu",
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--jobs",
+        "6",
+        "--slots",
+        "4",
+        "--prompt-tokens",
+        "48",
+        "--max-new-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        "--budget",
+        "64MiB",
+        "--reserve",
+        "0",
+        "--minutes",
+        "2",
+    ]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "6/6 jobs succeeded, out-of-memory batches: 0" in out.stdout
