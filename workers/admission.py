@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from workers.kvcache import format_size
@@ -33,7 +33,7 @@ class Admission:
 
     def __init__(
         self,
-        estimate: Callable[[JobSpec], int] | None = None,
+        estimate: Callable[[Sequence[JobSpec]], int] | None = None,
         free: Callable[[], int] | None = None,
         capacity: int | None = None,
         validate: Callable[[JobSpec], str | None] | None = None,
@@ -47,15 +47,17 @@ class Admission:
         #: Bytes kept free on the device whatever the estimates say (--vram-reserve).
         self.keep_free = keep_free
 
-    def judge(self, spec: JobSpec, planned: int = 0) -> Decision:
-        """``planned`` is memory already promised to jobs picked earlier in this turn."""
+    def judge(self, spec: JobSpec, picked: Sequence[JobSpec] = ()) -> Decision:
+        """Judge ``spec`` as one more row of a batch with the jobs ``picked`` earlier in this turn.
+        ``estimate`` prices a whole batch (padding makes it more than the sum of its rows), and
+        the decision's ``need`` is what this job adds to it."""
         if self._validate is not None:
             problem = self._validate(spec)
             if problem:
                 return Decision(Verdict.REJECT, 0, problem)
         if self._estimate is None:
             return Decision(Verdict.ADMIT)
-        need = self._estimate(spec)
+        need = self._estimate([spec])
         if self.capacity is not None and need > self.capacity:
             return Decision(
                 Verdict.NEVER,
@@ -63,7 +65,9 @@ class Admission:
                 f"needs {format_size(need)} ({need} bytes); this worker holds at most "
                 f"{format_size(self.capacity)}",
             )
-        free = self._free() - self.keep_free - planned if self._free is not None else need
-        if need > free:
-            return Decision(Verdict.WAIT, need, f"needs {need} bytes; {free} free")
-        return Decision(Verdict.ADMIT, need)
+        batch = self._estimate([*picked, spec]) if picked else need
+        added = batch - self._estimate(picked) if picked else need
+        free = self._free() - self.keep_free if self._free is not None else batch
+        if batch > free:
+            return Decision(Verdict.WAIT, added, f"batch needs {batch} bytes; {free} free")
+        return Decision(Verdict.ADMIT, added)

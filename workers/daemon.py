@@ -101,7 +101,7 @@ def memory_admission(
             f"free {format_size(probe.snapshot().free)}, reserve {format_size(reserve)}"
         )
     admission = Admission(
-        estimate=runner.need_bytes,
+        estimate=runner.batch_need_bytes,
         free=lambda: probe.snapshot().free,
         capacity=capacity,
         validate=runner.validate,

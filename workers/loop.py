@@ -299,7 +299,7 @@ class Worker:
 
     def _pick(self, free: int) -> list[Candidate]:
         picked: list[Candidate] = []
-        planned = 0
+        picked_specs: list[JobSpec] = []
         exclude = set(self._held)
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         chunk = max(free * 2, 4)
@@ -312,16 +312,16 @@ class Worker:
                 except NoNodeError:
                     self.view.drop(priority, entry)
                     continue
-                cand = self._judge(priority, entry, data, stat, planned)
+                cand = self._judge(priority, entry, data, stat, picked_specs)
                 if cand is not None:
                     picked.append(cand)
-                    planned += cand.need
+                    picked_specs.append(cand.spec)
                     if len(picked) >= min(free, self.max_batch):
                         return picked
         return picked
 
     def _judge(
-        self, priority: str, entry: EntryName, data: bytes, stat: Any, planned: int
+        self, priority: str, entry: EntryName, data: bytes, stat: Any, picked: list[JobSpec]
     ) -> Candidate | None:
         """A candidate if this worker should claim the entry now; otherwise deal with it."""
         try:
@@ -345,7 +345,7 @@ class Worker:
                 f"not started within queue_timeout of {spec.queue_timeout:g}s",
             )
             return None
-        decision = self.admission.judge(spec, planned)
+        decision = self.admission.judge(spec, picked)
         if decision.verdict == Verdict.ADMIT:
             return Candidate(priority, entry, data, stat, spec, decision.need)
         if decision.verdict == Verdict.REJECT:

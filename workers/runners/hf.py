@@ -35,7 +35,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +214,17 @@ class HFRunner:
     def validate(self, spec: JobSpec) -> str | None:
         """Why this job can never run on this model (prompt + max_new_tokens over the context)."""
         return self._context_error(self.count_tokens(spec.prompt), spec.max_new_tokens)
+
+    def batch_need_bytes(self, specs: Sequence[JobSpec]) -> int:
+        """Estimated device bytes of running ``specs`` as one batch (rows padded to the longest)."""
+        if not specs:
+            return 0
+        return kvcache.batch_need_bytes(
+            self.config,
+            [self.count_tokens(s.prompt) for s in specs],
+            [s.max_new_tokens for s in specs],
+            self.dtype_bytes,
+        )
 
     def need_bytes(self, spec: JobSpec) -> int:
         """Estimated device bytes the job adds to the resident weights (KV cache + activations)."""
