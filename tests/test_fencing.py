@@ -54,8 +54,8 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
             "normal", EntryName.parse(job.entry or ""), data, stat, JobSpec.from_bytes(data)
         )
 
-    line_a = Line(zk_a, lay, "default", "a", lambda: None)
-    line_b = Line(zk_b, lay, "default", "b", lambda: None)
+    line_a = Line(zk_a, lay.line("default"), "a", lambda: None)
+    line_b = Line(zk_b, lay.line("default"), "b", lambda: None)
     [claim_a] = a.claim([candidate()], line_a, rejoin=False) or []
     zk_a.delete(lay.claim("default", claim_a.entry.name))  # A's claim vanishes
     [claim_b] = b.claim([candidate()], line_b, rejoin=False) or []

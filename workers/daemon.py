@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from workers.admission import Admission
 from workers.kvcache import format_size
-from workers.loop import Worker
+from workers.loop import Worker, default_worker_id
 from workers.memory import MemoryProbe
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
@@ -23,8 +24,12 @@ from workers.systemd import Notifier
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect
 from zkqueue.errors import ConfigurationError
+from zkqueue.janitor import Janitor, JanitorService
+from zkqueue.layout import Layout
 
 if TYPE_CHECKING:
+    from kazoo.client import KazooClient
+
     from workers.runners.hf import HFRunner
 
 log = logging.getLogger("zkq.daemon")
@@ -54,6 +59,11 @@ class WorkerOptions:
     #: Default max_runtime for jobs that set none (seconds).
     max_runtime: float | None = None
     slow_after: float = 30.0
+    lease: float = defaults.LEASE
+    #: Take part in the janitor's election (one active janitor per cluster).
+    janitor: bool = True
+    janitor_interval: float = defaults.JANITOR_INTERVAL
+    result_ttl: float = defaults.RESULT_TTL
 
 
 def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe | None]:
@@ -127,6 +137,7 @@ def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> 
             burst=opts.burst,
             drain_timeout=opts.drain_timeout,
             heartbeat_interval=_heartbeat(opts, notifier),
+            lease=opts.lease,
             max_attempts=opts.max_attempts,
             admission=admission,
             memory=memory,
@@ -144,10 +155,60 @@ def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> 
                 opts.max_concurrency,
             )
 
-        worker.run(on_ready=ready)
+        janitor = _start_janitor(zk, root, worker.id, opts)
+        try:
+            worker.run(on_ready=ready)
+        finally:
+            if janitor is not None:
+                janitor.stop()
         return 0
     finally:
         runner.close()
+        close(zk)
+
+
+def _start_janitor(
+    zk: KazooClient, root: str, member_id: str, opts: WorkerOptions
+) -> JanitorService | None:
+    if not opts.janitor:
+        return None
+    return JanitorService(
+        zk,
+        Layout(root),
+        member_id,
+        interval=opts.janitor_interval,
+        result_ttl=opts.result_ttl,
+    ).start()
+
+
+def run_janitor(
+    settings: ConnectionSettings,
+    root: str,
+    *,
+    interval: float,
+    result_ttl: float,
+    once: bool,
+) -> int:
+    """``zkq janitor``: a pass now (``once``), or the elected janitor until SIGTERM/SIGINT."""
+    zk = connect(settings)
+    try:
+        layout = Layout(root)
+        if once:
+            report = Janitor(zk, layout, result_ttl=result_ttl).run_pass()
+            log.warning("janitor pass: %s", report)
+            return 0
+        service = JanitorService(
+            zk, layout, default_worker_id(), interval=interval, result_ttl=result_ttl
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        service.start()
+        Notifier().ready("janitor")
+        stop.wait()
+        service.stop()
+        return 0
+    finally:
         close(zk)
 
 

@@ -107,6 +107,7 @@ class Worker:
         burst: bool = False,
         drain_timeout: float = defaults.DRAIN_TIMEOUT,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
+        lease: float = defaults.LEASE,
         max_attempts: int = defaults.MAX_ATTEMPTS,
         admission: Admission | None = None,
         max_batch: int | None = None,
@@ -133,9 +134,10 @@ class Worker:
         self.state = NEW
         self.stats = WorkerStats()
         self.ready = threading.Event()
-        self.line = Line(zk, self.layout, self.queue, self.id, lambda: self._post("line"))
+        self.line = Line(zk, self.layout.line(self.queue), self.id, lambda: self._post("line"))
         self.view = PendingView(zk, self.layout, self.queue, lambda p: self._post("pending", p))
-        self.claims = Claims(zk, self.layout, self.queue, self.id)
+        self.lease = lease
+        self.claims = Claims(zk, self.layout, self.queue, self.id, lease=lease)
         self.registry = Registry(
             zk,
             self.layout,
@@ -156,6 +158,8 @@ class Worker:
         self._drain_deadline: float | None = None
         self._release_deadline: float | None = None
         self._next_heartbeat = 0.0
+        self._next_renewal = 0.0
+        self._progress_mark: tuple[int, ...] = ()
         self._queue_empty = False
 
     # -- public ------------------------------------------------------------------------------
@@ -214,10 +218,11 @@ class Worker:
             self._suspended = True
         self._wait_events()
         self._maybe_heartbeat()
+        self._maybe_renew()
         return not self._should_exit()
 
     def _wait_events(self) -> None:
-        timeout = max(0.0, self._next_heartbeat - time.monotonic())
+        timeout = max(0.0, min(self._next_heartbeat, self._next_renewal) - time.monotonic())
         if self._drain_deadline is not None:
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         try:
@@ -601,6 +606,37 @@ class Worker:
                 self._lost = False
                 self._post("rejoin")
             self._post("wake")
+
+    def _maybe_renew(self) -> None:
+        """Renew the leases of running jobs while the runner makes progress. A runner that
+        makes none (hung) lets them lapse, and the janitor hands its jobs to other workers."""
+        now = time.monotonic()
+        if now < self._next_renewal:
+            return
+        self._next_renewal = now + self.lease / 3
+        held = [h for h in self._held.values() if h.job.cancel_reason is None]
+        mark = (
+            self.stats.claimed,
+            len(self._to_complete),
+            sum(h.job.progress for h in self._held.values()),
+        )
+        if not held or self._suspended or mark == self._progress_mark:
+            if held:
+                log.warning(
+                    "no progress on %d running job(s) for %.0fs: not renewing leases",
+                    len(held),
+                    self.lease / 3,
+                )
+            return
+        self._progress_mark = mark
+        try:
+            lost = self.claims.renew([h.claim for h in held])
+        except _ZK_TROUBLE:
+            self._suspended = True
+            return
+        for claim in lost:
+            log.warning("job %s: claim gone (lease reclaimed or session lost); stopping", claim.id)
+            self._held[claim.entry.name].job.cancel("fenced")
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()

@@ -21,6 +21,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
+from zkqueue import defaults
 from zkqueue import result as results
 from zkqueue.errors import ResultTooLarge
 from zkqueue.layout import EntryName, Layout
@@ -55,6 +56,8 @@ class Claim:
     token: int
     submitted_at: float
     claimed_at: float
+    #: The claim node's data (renewals write it again).
+    body: bytes = b""
 
     @property
     def id(self) -> str:
@@ -64,11 +67,20 @@ class Claim:
 class Claims:
     """Runs the protocol's transactions for one worker on one queue."""
 
-    def __init__(self, zk: KazooClient, layout: Layout, queue: str, worker_id: str) -> None:
+    def __init__(
+        self,
+        zk: KazooClient,
+        layout: Layout,
+        queue: str,
+        worker_id: str,
+        lease: float = defaults.LEASE,
+    ) -> None:
         self.zk = zk
         self.layout = layout
         self.queue = queue
         self.worker_id = worker_id
+        #: Seconds a claim stays valid without a renewal (written into the claim for the janitor).
+        self.lease = lease
 
     def entry_path(self, priority: str, entry: EntryName) -> str:
         return self.layout.entry(self.queue, priority, entry.name)
@@ -78,10 +90,14 @@ class Claims:
         when slots stay free). None if any entry changed under us: nothing was claimed."""
         now = time.time()
         txn = self.zk.transaction()
+        bodies = []
         for c in picked:
             token = c.stat.version + 1
-            body = {"worker": self.worker_id, "token": token, "claimed_at": now}
-            txn.create(self.layout.claim(self.queue, c.entry.name), to_json(body), ephemeral=True)
+            body = to_json(
+                {"worker": self.worker_id, "token": token, "claimed_at": now, "lease": self.lease}
+            )
+            bodies.append(body)
+            txn.create(self.layout.claim(self.queue, c.entry.name), body, ephemeral=True)
             txn.set_data(self.entry_path(c.priority, c.entry), c.data, version=c.stat.version)
         left = line.joined
         line.add_leave(txn)
@@ -101,8 +117,9 @@ class Claims:
                 c.stat.version + 1,
                 c.stat.ctime / 1000,
                 now,
+                body,
             )
-            for c in picked
+            for c, body in zip(picked, bodies, strict=True)
         ]
 
     def complete(self, claim: Claim, record: Result, line: Line | None) -> bool:
@@ -129,6 +146,21 @@ class Claims:
         if line is not None:
             line.committed(False, outcome[-1])
         return True
+
+    def renew(self, claims: list[Claim]) -> list[Claim]:
+        """Renew the leases (a write bumps the claim's server-side mtime, which the janitor
+        reads). Returns the claims that are gone: reclaimed, or lost with the session."""
+        calls = [
+            (c, self.zk.set_async(self.layout.claim(self.queue, c.entry.name), c.body))
+            for c in claims
+        ]
+        lost = []
+        for claim, call in calls:
+            try:
+                call.get()
+            except NoNodeError:
+                lost.append(claim)
+        return lost
 
     def release(self, claim: Claim) -> bool:
         """Give the job back (drain, out of memory): it is pending again for any worker."""

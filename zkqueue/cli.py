@@ -13,6 +13,7 @@ import click
 
 from zkqueue import defaults
 from zkqueue.client import Client
+from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ExitCode, JobTimeout, ZkqError
 from zkqueue.result import Result
 
@@ -44,6 +45,13 @@ def _client(ctx: click.Context) -> Client:
         o["root"],
         session_timeout=o["session_timeout"],
         connect_timeout=o["connect_timeout"],
+    )
+
+
+def _settings(ctx: click.Context) -> ConnectionSettings:
+    o = ctx.obj
+    return ConnectionSettings(
+        hosts=o["zk"], session_timeout=o["session_timeout"], connect_timeout=o["connect_timeout"]
     )
 
 
@@ -401,6 +409,29 @@ def workers(ctx: click.Context, as_json: bool) -> None:
     "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL, show_default=True
 )
 @click.option("--max-attempts", type=int, default=defaults.MAX_ATTEMPTS, show_default=True)
+@click.option(
+    "--lease",
+    type=float,
+    default=defaults.LEASE,
+    show_default=True,
+    help="Seconds a running job's claim lives without progress.",
+)
+@click.option(
+    "--janitor/--no-janitor",
+    default=True,
+    show_default=True,
+    help="Stand for the janitor election.",
+)
+@click.option(
+    "--janitor-interval", type=float, default=defaults.JANITOR_INTERVAL, show_default=True
+)
+@click.option(
+    "--result-ttl",
+    type=float,
+    default=defaults.RESULT_TTL,
+    show_default=True,
+    help="Seconds finished results are kept (by the janitor).",
+)
 @click.pass_context
 @handles_errors
 def worker(ctx: click.Context, **options: Any) -> None:
@@ -412,13 +443,89 @@ def worker(ctx: click.Context, **options: Any) -> None:
       zkq worker --queue llama --model /srv/models/llama --max-concurrency 8 --vram-reserve 2GiB
     """
     from workers.daemon import WorkerOptions, run_worker
-    from zkqueue.connection import ConnectionSettings
 
-    o = ctx.obj
-    settings = ConnectionSettings(
-        hosts=o["zk"], session_timeout=o["session_timeout"], connect_timeout=o["connect_timeout"]
+    sys.exit(run_worker(_settings(ctx), ctx.obj["root"], WorkerOptions(**options)))
+
+
+@cli.command()
+@click.option("--queue", default=None, help="Only this queue.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
+    """List dead-lettered jobs with the reason (malformed entries, poison jobs)."""
+    with _client(ctx) as client:
+        letters = client.dead(queue)
+    if as_json:
+        _emit(letters)
+        return
+    for x in letters:
+        click.echo(f"{x.get('id') or '-'}  {x['queue']}/{x['priority']}  {x['reason']}")
+
+
+@cli.command()
+@click.argument("job_id", required=False)
+@click.option("--all", "all_", is_flag=True, help="Requeue every dead letter with a valid spec.")
+@click.option("--queue", default=None, help="Only this queue.")
+@click.pass_context
+@handles_errors
+def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | None) -> None:
+    """Enqueue a dead-lettered job again (same id, attempts from zero).
+
+    \b
+    Examples:
+      zkq requeue 8f3a2c1d9e4b7a60
+      zkq requeue --all --queue llama
+    """
+    if bool(job_id) == all_:
+        raise click.UsageError("give a job id or --all")
+    with _client(ctx) as client:
+        jobs = client.requeue(job_id, queue)
+    for job in jobs:
+        click.echo(f"requeued {job.id} ({job.queue}/{job.priority})")
+    if all_ and not jobs:
+        click.echo("nothing to requeue", err=True)
+
+
+@cli.command("queue-limit")
+@click.argument("queue")
+@click.option(
+    "--max-pending",
+    type=int,
+    default=None,
+    help="Most jobs that may wait in QUEUE (omit for no limit).",
+)
+@click.pass_context
+@handles_errors
+def queue_limit(ctx: click.Context, queue: str, max_pending: int | None) -> None:
+    """Set a queue's backpressure limit: beyond it submit fails fast (exit 5)."""
+    with _client(ctx) as client:
+        client.set_max_pending(queue, max_pending)
+    click.echo(f"{queue}: max pending {max_pending or 'unlimited'}")
+
+
+@cli.command()
+@click.option("--interval", type=float, default=defaults.JANITOR_INTERVAL, show_default=True)
+@click.option(
+    "--result-ttl",
+    type=float,
+    default=defaults.RESULT_TTL,
+    show_default=True,
+    help="Seconds finished results are kept.",
+)
+@click.option("--once", is_flag=True, help="Run one pass now and exit.")
+@click.pass_context
+@handles_errors
+def janitor(ctx: click.Context, interval: float, result_ttl: float, once: bool) -> None:
+    """Run the janitor (expired leases, queue deadlines, old results) for deployments without
+    workers running it; several may run, one is elected."""
+    from workers.daemon import run_janitor
+
+    sys.exit(
+        run_janitor(
+            _settings(ctx), ctx.obj["root"], interval=interval, result_ttl=result_ttl, once=once
+        )
     )
-    sys.exit(run_worker(settings, o["root"], WorkerOptions(**options)))
 
 
 @cli.command("tiny-model")

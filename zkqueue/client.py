@@ -14,9 +14,11 @@ from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
+from zkqueue.deadletters import list_dead, requeue
 from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import PENDING, RUNNING, Job
 from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
+from zkqueue.limits import Limits
 from zkqueue.spec import build_spec
 
 #: Creates in flight at once in submit_many.
@@ -50,6 +52,7 @@ class Client:
         self._zk = zk
         self._owns_zk = zk is None
         self._ready: set[str] = set()
+        self._limits: Limits | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -74,6 +77,12 @@ class Client:
         if self._zk is None:
             raise ZkqConnectionError("client is not started: use it as a context manager")
         return self._zk
+
+    @property
+    def limits(self) -> Limits:
+        if self._limits is None:
+            self._limits = Limits(self.zk, self.layout)
+        return self._limits
 
     @contextmanager
     def mapped(self) -> Iterator[None]:
@@ -108,6 +117,7 @@ class Client:
         job_id = new_job_id()
         with self.mapped():
             self.ensure_queue(queue)
+            self.limits.check_room(queue)
             name = self._create_entry(queue, priority, job_id, data, ephemeral=not detach)
         return Job(self, job_id, queue, priority, name, detach=detach, owned=True)
 
@@ -129,6 +139,7 @@ class Client:
         with self.mapped():
             for q in {p[1] for p in prepared}:
                 self.ensure_queue(q)
+                self.limits.check_room(q, sum(1 for p in prepared if p[1] == q))
             return self._create_pipelined(prepared, detach)
 
     def _prepare(
@@ -323,6 +334,38 @@ class Client:
         counts = {k: (c.get().numChildren if c.get() else 0) for k, c in calls.items()}
         depth = {p: counts.pop(p) for p in defaults.PRIORITIES}
         return {"depth": depth, "pending": sum(depth.values()) - counts["running"], **counts}
+
+    def set_max_pending(self, queue: str, max_pending: int | None) -> None:
+        """Limit a queue's waiting jobs (None: no limit); producers beyond it get QueueFull."""
+        check_queue(queue)
+        with self.mapped():
+            self.ensure_queue(queue)
+            self.limits.set_max_pending(queue, max_pending)
+
+    def dead(self, queue: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Dead letters (reason, raw entry data) of one queue or of all."""
+        with self.mapped():
+            return list_dead(
+                self.zk, self.layout, [check_queue(queue)] if queue else self.queue_names()
+            )
+
+    def requeue(self, job_id: str | None = None, queue: str | None = None) -> builtins.list[Job]:
+        """Enqueue dead-lettered jobs again (one by id, or all of them when ``job_id`` is None).
+        Letters without a valid spec stay where they are (an error when asked for by id)."""
+        letters = [x for x in self.dead(queue) if job_id is None or x.get("id") == job_id]
+        if job_id is not None and not letters:
+            raise JobNotFound(f"no dead letter for job {job_id}")
+        jobs = []
+        with self.mapped():
+            for letter in letters:
+                try:
+                    name = requeue(self.zk, self.layout, letter)
+                except InvalidJob:
+                    if job_id is not None:
+                        raise
+                    continue
+                jobs.append(Job(self, letter["id"], letter["queue"], letter["priority"], name))
+        return jobs
 
     def workers(self) -> builtins.list[dict[str, Any]]:
         """Registered workers' records (see docs/PROTOCOL.md)."""

@@ -22,6 +22,13 @@ MAX_RESULT_BYTES = 256 * 1024
 #: A job claimed this many times (each claim bumps the entry's version) is dead-lettered.
 MAX_ATTEMPTS = 3
 
+#: Seconds a running job's claim stays valid without progress; workers renew it while their runner
+#: makes progress, and the janitor reclaims a claim whose lease ran out (a hung worker).
+LEASE = 60.0
+#: Seconds between janitor passes, and how long finished results are kept.
+JANITOR_INTERVAL = 5.0
+RESULT_TTL = 24 * 3600.0
+
 WORKER_SLOTS = 1
 HEARTBEAT_INTERVAL = 2.0
 DRAIN_TIMEOUT = 60.0

@@ -69,6 +69,16 @@ class EntryName:
         return cls(seq=int(seq), job_id=job_id)
 
 
+def child(directory: str, name: str) -> str:
+    """The path of ``name`` inside ``directory`` (for directories a Layout method returned)."""
+    return f"{directory}/{name}"
+
+
+def member_prefix(directory: str) -> str:
+    """Sequential-create prefix of a line member (a worker's place, a janitor candidate)."""
+    return f"{directory}/{LINE_PREFIX}"
+
+
 def line_order(name: str) -> int:
     """Position of a line node (``w-<seq>``) as a number."""
     return int(name[len(LINE_PREFIX) :]) % _SEQ_WRAP
@@ -107,12 +117,6 @@ class Layout:
     def line(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/line"
 
-    def line_node(self, queue: str, name: str) -> str:
-        return f"{self.line(queue)}/{name}"
-
-    def line_prefix(self, queue: str) -> str:
-        return f"{self.line(queue)}/{LINE_PREFIX}"
-
     def results(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/results"
 
@@ -124,6 +128,14 @@ class Layout:
 
     def dead_node(self, queue: str, name: str) -> str:
         return f"{self.dead(queue)}/{name}"
+
+    def janitor(self) -> str:
+        """Leader election of the janitor: one line, its head is the active janitor."""
+        return f"{self.root}/janitor"
+
+    def clock(self) -> str:
+        """A node the janitor writes to read ZooKeeper's own clock (its mtime)."""
+        return f"{self.root}/clock"
 
     def workers(self) -> str:
         return f"{self.root}/workers"

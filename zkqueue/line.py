@@ -1,5 +1,7 @@
-"""The worker line: idle workers stand in a line of ephemeral-sequential nodes, each watching only
-its predecessor, so a new job wakes the head alone and a departing head wakes one successor."""
+"""A line of ephemeral-sequential nodes, each member watching only its predecessor.
+
+Idle workers stand in a queue's line, so a new job wakes the head alone and a departing head
+wakes one successor. The janitor's leader election is the same line under another directory."""
 
 from __future__ import annotations
 
@@ -12,25 +14,23 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
 
-from zkqueue.layout import LINE_PREFIX, Layout, line_order
+from zkqueue.layout import LINE_PREFIX, child, line_order, member_prefix
 
 log = logging.getLogger("zkq.line")
 
 
 class Line:
-    """This worker's place in one queue's line. Not thread safe: the worker loop owns it."""
+    """One member's place in a line. Not thread safe: one thread (the worker loop) owns it."""
 
     def __init__(
         self,
         zk: KazooClient,
-        layout: Layout,
-        queue: str,
+        directory: str,
         worker_id: str,
         on_change: Callable[[], None],
     ) -> None:
         self.zk = zk
-        self.layout = layout
-        self.queue = queue
+        self.directory = directory
         self.worker_id = worker_id
         self.node: str | None = None
         self._on_change = on_change
@@ -44,7 +44,7 @@ class Line:
 
     def join(self) -> None:
         path = self.zk.create(
-            self.layout.line_prefix(self.queue),
+            member_prefix(self.directory),
             self.worker_id.encode(),
             ephemeral=True,
             sequence=True,
@@ -56,7 +56,7 @@ class Line:
         if self.node is None:
             return
         with contextlib.suppress(NoNodeError):
-            self.zk.delete(self.layout.line_node(self.queue, self.node))
+            self.zk.delete(child(self.directory, self.node))
         self.node = None
         self._head = None
 
@@ -70,11 +70,11 @@ class Line:
 
     def add_leave(self, txn: TransactionRequest) -> None:
         if self.node is not None:
-            txn.delete(self.layout.line_node(self.queue, self.node))
+            txn.delete(child(self.directory, self.node))
 
     def add_join(self, txn: TransactionRequest) -> None:
         txn.create(
-            self.layout.line_prefix(self.queue),
+            member_prefix(self.directory),
             self.worker_id.encode(),
             ephemeral=True,
             sequence=True,
@@ -100,9 +100,7 @@ class Line:
     def _ask_head(self) -> bool:
         while self.node is not None:
             children = [
-                c
-                for c in self.zk.get_children(self.layout.line(self.queue))
-                if c.startswith(LINE_PREFIX)
+                c for c in self.zk.get_children(self.directory) if c.startswith(LINE_PREFIX)
             ]
             ordered = sorted(children, key=line_order)
             if self.node not in ordered:
@@ -114,7 +112,7 @@ class Line:
             predecessor = ordered[index - 1]
             if predecessor == self._watching:
                 return False  # already watching it: a watch is set once per node
-            path = self.layout.line_node(self.queue, predecessor)
+            path = child(self.directory, predecessor)
             if self.zk.exists(path, watch=self._predecessor_gone) is not None:
                 self._watching = predecessor
                 return False

@@ -9,6 +9,9 @@ from typing import Any
 from workers.runners.base import Outcome, RunningJob
 from zkqueue import defaults, result
 
+#: Seconds between the echo runner's progress ticks.
+_TICK = 0.25
+
 
 class EchoRunner:
     def __init__(self, delay: float = defaults.ECHO_DELAY, fail_marker: str | None = None) -> None:
@@ -27,8 +30,10 @@ class EchoRunner:
     def _one(self, job: RunningJob, start: float) -> Outcome:
         limit = job.spec.max_runtime
         wait = self.delay if limit is None else min(self.delay, limit)
-        if job.cancelled.wait(max(0.0, start + wait - time.monotonic())):
-            return Outcome(result.CANCELLED, error=f"stopped: {job.cancel_reason}")
+        while (left := start + wait - time.monotonic()) > 0:
+            if job.cancelled.wait(min(left, _TICK)):
+                return Outcome(result.CANCELLED, error=f"stopped: {job.cancel_reason}")
+            job.progress += 1  # like a token: the worker renews leases while this moves
         if limit is not None and self.delay > limit:
             return Outcome(result.TIMEOUT, error=f"exceeded max_runtime of {limit:g}s")
         if self.fail_marker and self.fail_marker in job.spec.prompt:

@@ -1,0 +1,254 @@
+"""The harness side: run configuration, the shared ZooKeeper (and Redis), the agent processes and
+small helpers (bounded waits, CPU of the servers, statistics)."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kazoo.client import KazooClient
+
+import bench_agents
+import bench_wire
+from bench_redis import RedisServer
+from zkqueue import Client
+from zkqueue.zkserver import ZkCluster
+
+QUEUE = "bench"
+
+
+@dataclass
+class Config:
+    """What one run measures; ``quick`` shrinks counts and repetitions to stay under 2 minutes."""
+
+    quick: bool
+    reps: int
+    dispatch_jobs: int
+    lq_jobs: int
+    redis_jobs: int
+    latency_samples: int
+    herd_jobs: int
+    depth_claims: int
+    depth_enqueues: int
+    bulk_jobs: int
+    procs: tuple[int, ...] = (1, 4, 16)
+    slots: tuple[int, ...] = (1, 4)
+    modes: tuple[str, ...] = ("prefill", "stream")
+    herd_sizes: tuple[int, ...] = (1, 8, 32)
+    depths: tuple[int, ...] = (100, 20000)
+    batch_jobs: int = 64
+    batch_slots: tuple[int, ...] = (8, 1)
+    max_new_tokens: int = 32
+    scenarios: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, quick: bool, scenarios: tuple[str, ...]) -> Config:
+        if quick:
+            return cls(
+                quick=True,
+                reps=1,
+                dispatch_jobs=300,
+                lq_jobs=150,
+                redis_jobs=300,
+                latency_samples=60,
+                herd_jobs=8,
+                depth_claims=40,
+                depth_enqueues=40,
+                bulk_jobs=10000,
+                depths=(100, 5000),
+                modes=("prefill", "stream"),
+                scenarios=scenarios,
+            )
+        return cls(
+            quick=False,
+            reps=3,
+            dispatch_jobs=1500,
+            lq_jobs=300,
+            redis_jobs=1500,
+            latency_samples=300,
+            herd_jobs=20,
+            depth_claims=100,
+            depth_enqueues=100,
+            bulk_jobs=10000,
+            scenarios=scenarios,
+        )
+
+
+class AgentError(RuntimeError):
+    pass
+
+
+class AgentHandle:
+    """One agent process and its pipe."""
+
+    def __init__(self, ctx: Any, hosts: str, name: str) -> None:
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=bench_agents.agent_main, args=(child, hosts), name=name, daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.busy = False
+
+    def send(self, command: str, **kwargs: Any) -> None:
+        self.conn.send((command, kwargs))
+        self.busy = True
+
+    def ready(self) -> bool:
+        return self.conn.poll(0)
+
+    def recv(self, timeout: float = 120.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise AgentError(f"{self.name}: no answer within {timeout:g}s")
+        status, value = self.conn.recv()
+        self.busy = False
+        if status != "ok":
+            raise AgentError(f"{self.name} failed:\n{value}")
+        return value
+
+    def call(self, command: str, timeout: float = 120.0, **kwargs: Any) -> Any:
+        self.send(command, **kwargs)
+        return self.recv(timeout)
+
+    def close(self) -> None:
+        try:
+            if self.busy:
+                self.recv(30)
+            self.call("exit", timeout=30)
+        except (AgentError, OSError, EOFError):
+            pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+
+
+def call_all(
+    agents: Iterable[AgentHandle], command: str, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
+    """Send to every agent, then collect the answers (they run in parallel)."""
+    agents = list(agents)
+    for agent in agents:
+        agent.send(command, **kwargs)
+    return [agent.recv(timeout) for agent in agents]
+
+
+class Bench:
+    """Everything shared by the scenarios of one run."""
+
+    def __init__(self, config: Config, out: Path) -> None:
+        self.config = config
+        self.out = out
+        self.cluster = ZkCluster(1).start()
+        self.hosts = self.cluster.hosts
+        bench_wire.install()
+        self.zk = KazooClient(hosts=self.hosts, timeout=10.0)
+        self.zk.start(timeout=30)
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["bench_agents"])
+        self._pool: list[AgentHandle] = []
+        self._special: dict[str, AgentHandle] = {}
+        self._roots = itertools.count()
+        self.redis: RedisServer | None = None
+
+    # -- agents --------------------------------------------------------------------------------
+
+    def agents(self, n: int) -> list[AgentHandle]:
+        """The first ``n`` pooled agents, starting more as needed."""
+        while len(self._pool) < n:
+            self._pool.append(AgentHandle(self.ctx, self.hosts, f"agent-{len(self._pool)}"))
+        return self._pool[:n]
+
+    def special(self, name: str) -> AgentHandle:
+        """A named agent outside the pool (the producer, the model worker)."""
+        if name not in self._special:
+            self._special[name] = AgentHandle(self.ctx, self.hosts, name)
+        return self._special[name]
+
+    def drop_special(self, name: str) -> None:
+        agent = self._special.pop(name, None)
+        if agent is not None:
+            agent.close()
+
+    # -- ZooKeeper helpers -------------------------------------------------------------------
+
+    def fresh_root(self, tag: str) -> str:
+        return f"/bench/{tag}-{next(self._roots)}"
+
+    def client(self, root: str) -> Client:
+        return Client(root=root, zk=self.zk)
+
+    def children(self, path: str) -> int:
+        stat = self.zk.exists(path)
+        return stat.numChildren if stat is not None else 0
+
+    def server_cpu(self) -> float:
+        process = self.cluster.servers[0].process
+        return pid_cpu(process.pid) if process is not None else 0.0
+
+    def redis_server(self) -> RedisServer:
+        if self.redis is None:
+            self.redis = RedisServer().start()
+        return self.redis
+
+    def close(self) -> None:
+        for agent in [*self._pool, *self._special.values()]:
+            agent.close()
+        self.zk.stop()
+        self.zk.close()
+        if self.redis is not None:
+            self.redis.stop()
+        self.cluster.stop()
+
+
+def pid_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) a process has used, all its threads included."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.01) -> bool:
+    """Poll ``condition`` until truthy; False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def median(values: Iterable[float]) -> float:
+    data = [v for v in values if v is not None]
+    return statistics.median(data) if data else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), nearest rank."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def pipe_of(agent: AgentHandle) -> Connection:
+    conn: Connection = agent.conn
+    return conn

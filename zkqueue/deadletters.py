@@ -1,0 +1,62 @@
+"""Dead letters: listing them, and re-enqueuing a job whose letter holds a valid spec."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from zkqueue.errors import InvalidJob, JobNotFound
+from zkqueue.layout import Layout
+from zkqueue.spec import JobSpec
+
+log = logging.getLogger("zkq.dead")
+
+
+def list_dead(zk: KazooClient, layout: Layout, queues: list[str]) -> list[dict[str, Any]]:
+    """Every dead letter of ``queues``, oldest first, each with its node ``name``."""
+    letters = []
+    for queue in queues:
+        try:
+            names = zk.get_children(layout.dead(queue))
+        except NoNodeError:
+            continue
+        calls = [(n, zk.get_async(layout.dead_node(queue, n))) for n in names]
+        for name, call in calls:
+            try:
+                data, _ = call.get()
+            except NoNodeError:
+                continue
+            letter = json.loads(data)
+            letter.update(name=name, queue=queue)
+            letters.append(letter)
+    return sorted(letters, key=lambda x: x.get("dead_at") or 0)
+
+
+def requeue(zk: KazooClient, layout: Layout, letter: dict[str, Any]) -> str:
+    """Enqueue the letter's spec again under the same id (a detached job, attempts from 0), and
+    remove the letter and its ``dead`` result in the same multi. Returns the new entry name."""
+    job_id, queue, priority = letter.get("id"), letter["queue"], letter["priority"]
+    if not job_id or "raw" not in letter:
+        raise InvalidJob(
+            f"dead letter {letter['name']} cannot be requeued: it has no job id or no readable spec"
+        )
+    try:
+        data = JobSpec.from_bytes(letter["raw"].encode()).to_bytes()
+    except InvalidJob as exc:
+        raise InvalidJob(f"dead letter {letter['name']} cannot be requeued: {exc}") from None
+    txn = zk.transaction()
+    txn.create(layout.entry_prefix(queue, priority, job_id), data, sequence=True)
+    txn.delete(layout.dead_node(queue, letter["name"]))
+    if zk.exists(layout.result(queue, job_id)) is not None:
+        txn.delete(layout.result(queue, job_id))
+    outcome = txn.commit()
+    failed = [r for r in outcome if isinstance(r, Exception)]
+    if failed:
+        raise JobNotFound(f"dead letter {letter['name']} changed while requeueing it; try again")
+    name: str = outcome[0].rsplit("/", 1)[1]
+    log.info("requeued %s as %s/%s", job_id, priority, name)
+    return name
