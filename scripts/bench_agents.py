@@ -135,7 +135,9 @@ class Agent:
     ) -> dict[str, Any]:
         client = Client(root=root, zk=self.zk)
         client.ensure_queue(queue)
-        return _timed_producer(lambda i: client.submit(_prompt(i), queue=queue, detach=True), n, profile)
+        return _timed_producer(
+            lambda i: client.submit(_prompt(i), queue=queue, detach=True), n, profile
+        )
 
     def cmd_produce_lq(self, path: str, n: int) -> dict[str, Any]:
         lq = LockingQueue(self.zk, path)

@@ -14,10 +14,16 @@ from kazoo.recipe.queue import LockingQueue
 import bench_wire
 from bench_core import QUEUE, AgentHandle, Bench, call_all, pid_cpu, wait_until
 from bench_redis import RedisQueue
+from bench_scenarios import raw_rates
 
 
-def run_dispatch(bench: Bench, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_dispatch(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     cfg = bench.config
+    raw = raw_rates(bench, 300, 4000)
+    log(
+        f"  raw: sync create p50 {raw['sync_create_p50_ms']:.2f} ms "
+        f"({raw['sync_creates_per_s']:.0f}/s), pipelined {raw['async_creates_per_s']:.0f}/s"
+    )
     rows = []
     for rep in range(cfg.reps):
         for procs in cfg.procs:
@@ -27,10 +33,10 @@ def run_dispatch(bench: Bench, log: Callable[[str], None]) -> list[dict[str, Any
                     log(_line(rows[-1]))
                 rows.append(lq_run(bench, procs, mode, cfg.lq_jobs))
                 log(_line(rows[-1]))
-    return rows
+    return {"raw": raw, "rows": rows}
 
 
-def run_redis(bench: Bench, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_redis(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     cfg = bench.config
     server = bench.redis_server()
     rows = []
@@ -42,7 +48,7 @@ def run_redis(bench: Bench, log: Callable[[str], None]) -> list[dict[str, Any]]:
                     rows.append(redis_run(bench, procs, mode, cfg.redis_jobs, durable, rep))
                     log(_line(rows[-1]))
     server.durable(True)
-    return rows
+    return {"rows": rows}
 
 
 def _line(row: dict[str, Any]) -> str:

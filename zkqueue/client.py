@@ -5,12 +5,13 @@ from __future__ import annotations
 import builtins
 import json
 import secrets
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError
 
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
@@ -23,7 +24,8 @@ from zkqueue.spec import build_spec
 
 #: Creates in flight at once in submit_many.
 _PIPELINE_WINDOW = 512
-_CREATE_RETRIES = 5
+#: Seconds between checks while waiting for kazoo to reconnect.
+_RECONNECT_POLL = 0.05
 
 
 def new_job_id() -> str:
@@ -187,25 +189,37 @@ class Client:
         self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
     ) -> str:
         """Create the entry exactly once: after a ConnectionLoss the create may have happened,
-        so look for the id in the children before creating again."""
+        so wait for the connection to come back and look for the id before creating again."""
         prefix = self.layout.entry_prefix(queue, priority, job_id)
-        for _ in range(_CREATE_RETRIES):
+        deadline = time.monotonic() + self.settings.connect_timeout
+        while True:
             try:
                 path: str = self.zk.create(prefix, data, ephemeral=ephemeral, sequence=True)
                 return path.rsplit("/", 1)[1]
-            except ConnectionLoss:
-                found = self._find_after_loss(queue, priority, job_id)
+            except (ConnectionLoss, SessionExpiredError):
+                found = self._find_after_loss(queue, priority, job_id, deadline)
                 if found is not None:
                     return found
-        raise ZkqConnectionError(f"could not enqueue job {job_id} after {_CREATE_RETRIES} tries")
 
-    def _find_after_loss(self, queue: str, priority: str, job_id: str) -> str | None:
-        for _ in range(_CREATE_RETRIES):
+    def _find_after_loss(
+        self, queue: str, priority: str, job_id: str, deadline: float
+    ) -> str | None:
+        while True:
+            self._await_connected(deadline)
             try:
                 return self.find_entry(queue, priority, job_id)
-            except ConnectionLoss:
+            except (ConnectionLoss, SessionExpiredError):
                 continue
-        raise ZkqConnectionError(f"lost ZooKeeper at {self.settings.hosts} while enqueuing")
+
+    def _await_connected(self, deadline: float) -> None:
+        """Bounded wait for kazoo to reconnect (to this server or another of the ensemble)."""
+        while not self.zk.connected:
+            if time.monotonic() > deadline:
+                raise ZkqConnectionError(
+                    f"lost ZooKeeper at {self.settings.hosts} while enqueuing and it did not "
+                    f"come back within {self.settings.connect_timeout:g}s"
+                )
+            time.sleep(_RECONNECT_POLL)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 
 from zkqueue import result as results
 from zkqueue.errors import JobNotFound, JobTimeout, JobWithdrawn
@@ -20,6 +20,8 @@ PENDING = "pending"
 RUNNING = "running"
 #: How often a waiter re-reads even without a watch firing: watches are hints, not guarantees.
 _RECHECK_SECONDS = 2.0
+#: How often a waiter tries again while ZooKeeper is unreachable.
+_RECONNECT_POLL = 0.25
 
 
 class Job:
@@ -126,23 +128,33 @@ class Job:
     # -- internals -------------------------------------------------------------------------
 
     def _wait_result(self, deadline: float | None) -> Result | None:
-        zk = self.client.zk
+        """Wait for the result; a connection lost meanwhile is waited out (kazoo reconnects)."""
         while True:
             fired = threading.Event()
-            watch = _setter(fired)
-            entry_path = self.entry_path
-            # Read the entry before the result: complete() deletes the one and creates the other
-            # in a single transaction, so "no entry, then no result" means nothing will come.
-            entry_alive = entry_path is None or zk.exists(entry_path, watch=watch) is not None
-            if zk.exists(self.result_path, watch=watch) is not None:
-                data, _ = zk.get(self.result_path)
-                return Result.from_bytes(data)
-            if not entry_alive:
-                raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
+            try:
+                found = self._look(_setter(fired))
+                recheck = _RECHECK_SECONDS
+            except (ConnectionLoss, SessionExpiredError):
+                found, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait, within deadline
+            if found is not None:
+                return found
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
-            fired.wait(_RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS))
+            fired.wait(recheck if remaining is None else min(remaining, recheck))
+
+    def _look(self, watch: Any) -> Result | None:
+        zk = self.client.zk
+        entry_path = self.entry_path
+        # Read the entry before the result: complete() deletes the one and creates the other
+        # in a single transaction, so "no entry, then no result" means nothing will come.
+        entry_alive = entry_path is None or zk.exists(entry_path, watch=watch) is not None
+        if zk.exists(self.result_path, watch=watch) is not None:
+            data, _ = zk.get(self.result_path)
+            return Result.from_bytes(data)
+        if not entry_alive:
+            raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
+        return None
 
     def _forget_result(self) -> None:
         with contextlib.suppress(NoNodeError):

@@ -1,0 +1,105 @@
+"""Scenario 6: batching with the tiny model on CPU. 64 jobs pre-filled, one worker with 8 slots
+against one with 1 slot, and two references without a queue in the same process: batched
+``model.generate`` called directly, and the HF runner called directly, on the same prompts."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_core import QUEUE, Bench, median, wait_until
+
+_WORDS = (
+    "queue worker priority job model token batch memory cache result line head claim fence "
+    "zookeeper session watch entry slot device prompt output greedy sample order"
+).split()
+
+
+def prompts(n: int) -> list[str]:
+    """n distinct short prompts of 6 to 13 words (deterministic)."""
+    out = []
+    for i in range(n):
+        words = [_WORDS[(i * 7 + k * 3) % len(_WORDS)] for k in range(6 + i % 8)]
+        out.append(f"Job {i}: " + " ".join(words))
+    return out
+
+
+def run_batching(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
+    cfg = bench.config
+    model_dir = str(Path(tempfile.gettempdir()) / "zkq-bench-tiny-model")
+    agent = bench.special("model")
+    loaded = agent.call("hf_load", timeout=300, model_dir=model_dir)
+    log(f"  tiny model loaded in {loaded['load_s']:.1f} s")
+    texts = prompts(cfg.batch_jobs)
+    runs: dict[str, list[float]] = {f"worker_{s}_slots": [] for s in cfg.batch_slots}
+    runs["direct_generate"], runs["direct_runner"] = [], []
+    for _ in range(cfg.reps):
+        for slots in cfg.batch_slots:
+            elapsed = _worker_run(bench, model_dir, texts, slots)
+            runs[f"worker_{slots}_slots"].append(elapsed)
+        for kind, command in (
+            ("direct_generate", "hf_direct"),
+            ("direct_runner", "hf_runner_direct"),
+        ):
+            done = agent.call(
+                command,
+                timeout=600,
+                model_dir=model_dir,
+                prompts=texts,
+                max_new_tokens=cfg.max_new_tokens,
+                batch=max(cfg.batch_slots),
+            )
+            runs[kind].append(done["elapsed"])
+        log("  " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()))
+    bench.drop_special("model")
+    return _summary(runs, cfg.batch_jobs, cfg.batch_slots, cfg.max_new_tokens)
+
+
+def _worker_run(bench: Bench, model_dir: str, texts: list[str], slots: int) -> float:
+    """Seconds from go to the last result for a worker with ``slots`` slots, jobs pre-filled."""
+    agent = bench.special("model")
+    root = bench.fresh_root(f"batch{slots}")
+    client = bench.client(root)
+    client.ensure_queue(QUEUE)
+    agent.call("zkq_start", root=root, queue=QUEUE, slots=slots, model_dir=model_dir)
+    max_new = bench.config.max_new_tokens
+    client.submit_many(
+        [{"prompt": t, "max_new_tokens": max_new} for t in texts], queue=QUEUE, detach=True
+    )
+    results = client.layout.results(QUEUE)
+    start = time.perf_counter()
+    agent.call("go")
+    wait_until(lambda: bench.children(results) >= len(texts), 300, 0.005)
+    elapsed = time.perf_counter() - start
+    agent.call("stop", timeout=120)
+    failed = [
+        r
+        for r in (client.job(j, QUEUE).result(timeout=5) for j in _ids(bench, results))
+        if not r.ok
+    ]
+    if failed:
+        raise RuntimeError(f"{len(failed)} model jobs failed, e.g. {failed[0].error}")
+    return elapsed
+
+
+def _ids(bench: Bench, results: str) -> list[str]:
+    return list(bench.zk.get_children(results))[:4]
+
+
+def _summary(
+    runs: dict[str, list[float]], jobs: int, slots: tuple[int, ...], max_new: int
+) -> dict[str, Any]:
+    rates = {k: jobs / median(v) for k, v in runs.items()}
+    wide, narrow = f"worker_{max(slots)}_slots", f"worker_{min(slots)}_slots"
+    return {
+        "jobs": jobs,
+        "max_new_tokens": max_new,
+        "seconds": runs,
+        "jobs_per_s": rates,
+        "speedup": rates[wide] / rates[narrow],
+        "overhead_vs_generate": rates["direct_generate"] / rates[wide] - 1,
+        "overhead_vs_runner": rates["direct_runner"] / rates[wide] - 1,
+    }
