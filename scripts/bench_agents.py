@@ -15,12 +15,12 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
+import bench_redis
+import bench_wire
 from kazoo.client import KazooClient
 from kazoo.protocol.states import Callback
 from kazoo.recipe.queue import LockingQueue
 
-import bench_redis
-import bench_wire
 from workers.loop import Worker
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner

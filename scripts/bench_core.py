@@ -13,11 +13,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kazoo.client import KazooClient
-
 import bench_agents
 import bench_wire
 from bench_redis import RedisServer
+from kazoo.client import KazooClient
+
 from zkqueue import Client
 from zkqueue.zkserver import ZkCluster
 

@@ -9,12 +9,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kazoo.recipe.queue import LockingQueue
-
 import bench_wire
 from bench_core import QUEUE, AgentHandle, Bench, call_all, pid_cpu, wait_until
 from bench_redis import RedisQueue
 from bench_scenarios import raw_rates
+from kazoo.recipe.queue import LockingQueue
 
 
 def run_dispatch(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
@@ -25,7 +24,7 @@ def run_dispatch(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
         f"({raw['sync_creates_per_s']:.0f}/s), pipelined {raw['async_creates_per_s']:.0f}/s"
     )
     rows = []
-    for rep in range(cfg.reps):
+    for _ in range(cfg.reps):
         for procs in cfg.procs:
             for mode in cfg.modes:
                 for slots in cfg.slots:

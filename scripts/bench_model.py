@@ -12,10 +12,33 @@ from typing import Any
 
 from bench_core import QUEUE, Bench, median, wait_until
 
-_WORDS = (
-    "queue worker priority job model token batch memory cache result line head claim fence "
-    "zookeeper session watch entry slot device prompt output greedy sample order"
-).split()
+_WORDS = [
+    "queue",
+    "worker",
+    "priority",
+    "job",
+    "model",
+    "token",
+    "batch",
+    "memory",
+    "cache",
+    "result",
+    "line",
+    "head",
+    "claim",
+    "fence",
+    "zookeeper",
+    "session",
+    "watch",
+    "entry",
+    "slot",
+    "device",
+    "prompt",
+    "output",
+    "greedy",
+    "sample",
+    "order",
+]
 
 
 def prompts(n: int) -> list[str]:

@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kazoo.recipe.queue import LockingQueue
-
 import bench_wire
 from bench_core import QUEUE, AgentHandle, Bench, call_all, median, percentile, wait_until
+from kazoo.recipe.queue import LockingQueue
+
 from zkqueue.client import new_job_id
 from zkqueue.spec import build_spec
 

@@ -22,7 +22,7 @@ from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
 from zkqueue import defaults
-from zkqueue.connection import ConnectionSettings, close, connect
+from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.errors import ConfigurationError
 from zkqueue.janitor import Janitor, JanitorService
 from zkqueue.layout import Layout
@@ -123,48 +123,62 @@ def memory_admission(
 def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> int:
     """Run until stopped; returns the process exit code."""
     runner, admission, memory = build_runner(opts)  # a bad model fails before registering
-    notifier = Notifier()
-    zk = connect(settings)
     try:
-        worker = Worker(
-            zk,
-            runner,
-            queue=opts.queue,
-            root=root,
-            slots=opts.max_concurrency,
-            name=opts.name,
-            max_jobs=opts.max_jobs,
-            burst=opts.burst,
-            drain_timeout=opts.drain_timeout,
-            heartbeat_interval=_heartbeat(opts, notifier),
-            lease=opts.lease,
-            max_attempts=opts.max_attempts,
-            admission=admission,
-            memory=memory,
-            on_heartbeat=_watchdog(notifier),
-        )
-        _install_signals(worker, notifier)
-
-        def ready() -> None:
-            notifier.ready(f"worker {worker.id} on queue {opts.queue}")
-            log.info(
-                "worker %s ready on queue %s (%s, %d slot(s))",
-                worker.id,
-                opts.queue,
-                runner.name,
-                opts.max_concurrency,
-            )
-
-        janitor = _start_janitor(zk, root, worker.id, opts)
+        zk = connect(settings)
         try:
-            worker.run(on_ready=ready)
+            with mapped_errors(settings.hosts):
+                _serve(zk, root, opts, runner, admission, memory)
+            return 0
         finally:
-            if janitor is not None:
-                janitor.stop()
-        return 0
+            close(zk)
     finally:
         runner.close()
-        close(zk)
+
+
+def _serve(
+    zk: KazooClient,
+    root: str,
+    opts: WorkerOptions,
+    runner: Runner,
+    admission: Admission,
+    memory: MemoryProbe | None,
+) -> None:
+    notifier = Notifier()
+    worker = Worker(
+        zk,
+        runner,
+        queue=opts.queue,
+        root=root,
+        slots=opts.max_concurrency,
+        name=opts.name,
+        max_jobs=opts.max_jobs,
+        burst=opts.burst,
+        drain_timeout=opts.drain_timeout,
+        heartbeat_interval=_heartbeat(opts, notifier),
+        lease=opts.lease,
+        max_attempts=opts.max_attempts,
+        admission=admission,
+        memory=memory,
+        on_heartbeat=_watchdog(notifier),
+    )
+    _install_signals(worker, notifier)
+
+    def ready() -> None:
+        notifier.ready(f"worker {worker.id} on queue {opts.queue}")
+        log.info(
+            "worker %s ready on queue %s (%s, %d slot(s))",
+            worker.id,
+            opts.queue,
+            runner.name,
+            opts.max_concurrency,
+        )
+
+    janitor = _start_janitor(zk, root, worker.id, opts)
+    try:
+        worker.run(on_ready=ready)
+    finally:
+        if janitor is not None:
+            janitor.stop()
 
 
 def _start_janitor(

@@ -38,21 +38,17 @@ SIZE = _Size()
 _CTX = {"auto_envvar_prefix": "ZKQ", "help_option_names": ["-h", "--help"]}
 
 
+_CONNECTION = ("session_timeout", "connect_timeout", "auth", "tls_ca", "tls_cert", "tls_key")
+
+
 def _client(ctx: click.Context) -> Client:
     o = ctx.obj
-    return Client(
-        o["zk"],
-        o["root"],
-        session_timeout=o["session_timeout"],
-        connect_timeout=o["connect_timeout"],
-    )
+    return Client(o["zk"], o["root"], **{k: o[k] for k in _CONNECTION})
 
 
 def _settings(ctx: click.Context) -> ConnectionSettings:
     o = ctx.obj
-    return ConnectionSettings(
-        hosts=o["zk"], session_timeout=o["session_timeout"], connect_timeout=o["connect_timeout"]
-    )
+    return ConnectionSettings(hosts=o["zk"], **{k: o[k] for k in _CONNECTION})
 
 
 def _emit(data: Any) -> None:
@@ -109,6 +105,16 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     help="Give up reaching ZooKeeper after this many seconds.",
 )
 @click.option(
+    "--auth",
+    default=None,
+    envvar="ZKQ_AUTH",
+    metavar="USER:PASSWORD",
+    help="Digest authentication; zkq's nodes are then readable and writable by this identity only.",
+)
+@click.option("--tls-ca", default=None, envvar="ZKQ_TLS_CA", help="CA file: connect with TLS.")
+@click.option("--tls-cert", default=None, envvar="ZKQ_TLS_CERT", help="Client certificate (PEM).")
+@click.option("--tls-key", default=None, envvar="ZKQ_TLS_KEY", help="Client key (PEM).")
+@click.option(
     "--log-level",
     default="WARNING",
     envvar="ZKQ_LOG_LEVEL",
@@ -122,6 +128,7 @@ def cli(
     session_timeout: float,
     connect_timeout: float,
     log_level: str,
+    **security: str | None,
 ) -> None:
     """zkq: a priority job queue for GPU inference on ZooKeeper.
 
@@ -142,6 +149,7 @@ def cli(
         "root": root,
         "session_timeout": session_timeout,
         "connect_timeout": connect_timeout,
+        **security,
     }
 
 

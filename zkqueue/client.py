@@ -44,10 +44,20 @@ class Client:
         session_timeout: float = defaults.SESSION_TIMEOUT,
         connect_timeout: float = defaults.CONNECT_TIMEOUT,
         max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
+        auth: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         zk: KazooClient | None = None,
     ) -> None:
         self.settings = ConnectionSettings(
-            hosts=hosts, session_timeout=session_timeout, connect_timeout=connect_timeout
+            hosts=hosts,
+            session_timeout=session_timeout,
+            connect_timeout=connect_timeout,
+            auth=auth,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
         )
         self.layout = Layout(root)
         self.max_spec_bytes = max_spec_bytes

@@ -1,21 +1,52 @@
-"""Connecting to ZooKeeper: settings, the kazoo client, and the mapping of kazoo's errors."""
+"""Connecting to ZooKeeper: settings, the kazoo client, and the mapping of kazoo's errors.
+
+Security: with ``auth`` ("user:password") the session authenticates with ZooKeeper's digest
+scheme and every node zkq creates carries an ACL giving that identity all rights and anyone else
+none. With ``tls_ca`` (and, for mutual TLS, ``tls_cert``/``tls_key``) the connection is TLS.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, OperationTimeoutError, SessionExpiredError
+from kazoo.exceptions import (
+    AuthFailedError,
+    ConnectionLoss,
+    NoAuthError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
+from kazoo.security import make_digest_acl
 
 from zkqueue import defaults
-from zkqueue.errors import ZkqConnectionError
+from zkqueue.errors import AccessDenied, ConfigurationError, ZkqConnectionError
 
 log = logging.getLogger("zkq.connection")
+
+
+class _RedactAuth(logging.Filter):
+    """kazoo logs every request at DEBUG, digest credentials included: scrub them."""
+
+    _PATTERN = re.compile(r"auth='[^']*'")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "auth=" in message:
+            record.msg, record.args = self._PATTERN.sub("auth='***'", message), ()
+        return True
+
+
+for _name in ("kazoo.client", "kazoo.protocol.connection"):
+    logging.getLogger(_name).addFilter(_RedactAuth())
 
 
 @dataclass(frozen=True)
@@ -25,6 +56,25 @@ class ConnectionSettings:
     hosts: str = defaults.HOSTS
     session_timeout: float = defaults.SESSION_TIMEOUT
     connect_timeout: float = defaults.CONNECT_TIMEOUT
+    #: "user:password" for digest authentication; never logged or shown.
+    auth: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.auth is not None:
+            user, sep, password = self.auth.partition(":")
+            if not sep or not user or not password:
+                raise ConfigurationError("--auth must be USER:PASSWORD (both non-empty)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigurationError("--tls-cert and --tls-key go together")
+        if (self.tls_cert or self.tls_key) and not self.tls_ca:
+            raise ConfigurationError("TLS client certificates need --tls-ca too")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            value = getattr(self, name)
+            if value and not Path(value).is_file():
+                raise ConfigurationError(f"--{name.replace('_', '-')} {value}: no such file")
 
     def make_client(self) -> KazooClient:
         # Retry forever on connection loss: zkq decides itself when to give up (timeouts, drains).
@@ -34,7 +84,24 @@ class ConnectionSettings:
             timeout=self.session_timeout,
             connection_retry=KazooRetry(**retry),
             command_retry=None,
+            **self._security(),
         )
+
+    def _security(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.auth is not None:
+            user, _, password = self.auth.partition(":")
+            options["auth_data"] = [("digest", self.auth)]
+            options["default_acl"] = [make_digest_acl(user, password, all=True)]
+        if self.tls_ca:
+            options.update(
+                use_ssl=True,
+                verify_certs=True,
+                ca=self.tls_ca,
+                certfile=self.tls_cert,
+                keyfile=self.tls_key,
+            )
+        return options
 
 
 def connect(settings: ConnectionSettings) -> KazooClient:
@@ -42,6 +109,9 @@ def connect(settings: ConnectionSettings) -> KazooClient:
     zk = settings.make_client()
     try:
         zk.start(timeout=settings.connect_timeout)
+    except AuthFailedError:
+        close(zk)
+        raise AccessDenied(f"ZooKeeper at {settings.hosts} refused the credentials") from None
     except KazooTimeoutError:
         zk.stop()
         zk.close()
@@ -67,3 +137,8 @@ def mapped_errors(hosts: str) -> Iterator[None]:
         yield
     except (ConnectionLoss, SessionExpiredError, OperationTimeoutError, KazooTimeoutError) as exc:
         raise ZkqConnectionError(f"lost ZooKeeper at {hosts}: {type(exc).__name__}") from exc
+    except NoAuthError:
+        raise AccessDenied(
+            f"ZooKeeper at {hosts} denied access: the zkq root belongs to another identity "
+            "(check --auth / ZKQ_AUTH)"
+        ) from None

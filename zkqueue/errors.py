@@ -14,6 +14,7 @@ class ExitCode:
     QUEUE_FULL = 5
     UNAVAILABLE = 6
     CONFIG = 7
+    DENIED = 8
     INTERNAL = 70
 
 
@@ -67,6 +68,12 @@ class ZkqConnectionError(ZkqError):
     """ZooKeeper could not be reached, or the session was lost while waiting."""
 
     exit_code = ExitCode.UNAVAILABLE
+
+
+class AccessDenied(ZkqError):
+    """ZooKeeper refused the operation: missing or wrong credentials (--auth)."""
+
+    exit_code = ExitCode.DENIED
 
 
 class JobWithdrawn(ZkqError):

@@ -19,7 +19,16 @@ from pathlib import Path
 from zkqueue.errors import ConfigurationError
 
 ZK_SERVER_SH = os.environ.get("ZKQ_ZKSERVER_SH", "/usr/share/zookeeper/bin/zkServer.sh")
-_CLASSPATH = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-simple.jar"
+# Debian's zookeeper.jar manifest lacks netty-codec/netty-resolver, which its TLS (Netty) needs.
+_CLASSPATH = ":".join(
+    [
+        "/etc/zookeeper/conf",
+        "/usr/share/java/zookeeper.jar",
+        "/usr/share/java/slf4j-simple.jar",
+        "/usr/share/java/netty-codec.jar",
+        "/usr/share/java/netty-resolver.jar",
+    ]
+)
 
 
 def free_port() -> int:
@@ -42,6 +51,75 @@ def four_letter(port: int, word: str, timeout: float = 1.0) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class TestPki:
+    """A throwaway CA with a server and a client certificate for 127.0.0.1 (PEM files)."""
+
+    ca: Path
+    server_pem: Path
+    client_cert: Path
+    client_key: Path
+
+
+def write_test_pki(directory: str | Path) -> TestPki:
+    """Make a CA and certificates with openssl, for TLS tests on loopback only."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    ext = d / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        d / "ca.key",
+        "-out",
+        d / "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=zkq-test-ca",
+    )
+    for name in ("server", "client"):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            d / f"{name}.key",
+            "-out",
+            d / f"{name}.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            d / f"{name}.csr",
+            "-CA",
+            d / "ca.pem",
+            "-CAkey",
+            d / "ca.key",
+            "-CAcreateserial",
+            "-out",
+            d / f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            ext,
+        )
+    (d / "server.pem").write_text((d / "server.key").read_text() + (d / "server.crt").read_text())
+    return TestPki(d / "ca.pem", d / "server.pem", d / "client.crt", d / "client.key")
+
+
+def _openssl(*args: str | Path) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
 @dataclass
 class ZkServer:
     """One server process. ``peers`` is the ensemble's server list (empty when standalone)."""
@@ -52,6 +130,9 @@ class ZkServer:
     quorum_port: int = field(default_factory=free_port)
     election_port: int = field(default_factory=free_port)
     tick_ms: int = 200
+    #: With a PKI, the server also listens for TLS clients (mutual TLS) on ``secure_port``.
+    pki: TestPki | None = None
+    secure_port: int = field(default_factory=free_port)
     peers: list[ZkServer] = field(default_factory=list, repr=False)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -82,6 +163,17 @@ class ZkServer:
             "minSessionTimeout=1000",
             "maxSessionTimeout=60000",
         ]
+        if self.pki is not None:
+            lines += [
+                f"secureClientPort={self.secure_port}",
+                "secureClientPortAddress=127.0.0.1",
+                "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+                f"ssl.keyStore.location={self.pki.server_pem}",
+                "ssl.keyStore.type=PEM",
+                f"ssl.trustStore.location={self.pki.ca}",
+                "ssl.trustStore.type=PEM",
+                "ssl.clientAuth=need",
+            ]
         if self.peers:
             lines.append("standaloneEnabled=false")
             lines += [
@@ -162,10 +254,18 @@ class ZkServer:
 class ZkCluster:
     """A standalone server (size 1) or an ensemble (3 or 5) under one temp dir."""
 
-    def __init__(self, size: int = 1, base: str | Path | None = None, tick_ms: int = 200) -> None:
+    def __init__(
+        self,
+        size: int = 1,
+        base: str | Path | None = None,
+        tick_ms: int = 200,
+        pki: TestPki | None = None,
+    ) -> None:
         self._tmp = None if base else tempfile.mkdtemp(prefix="zkq-zk-")
         self.base = Path(base or self._tmp or ".")
-        self.servers = [ZkServer(myid=i + 1, base=self.base, tick_ms=tick_ms) for i in range(size)]
+        self.servers = [
+            ZkServer(myid=i + 1, base=self.base, tick_ms=tick_ms, pki=pki) for i in range(size)
+        ]
         if size > 1:
             for s in self.servers:
                 s.peers = self.servers
@@ -173,6 +273,10 @@ class ZkCluster:
     @property
     def hosts(self) -> str:
         return ",".join(s.address for s in self.servers)
+
+    @property
+    def secure_hosts(self) -> str:
+        return ",".join(f"127.0.0.1:{s.secure_port}" for s in self.servers)
 
     def start(self, timeout: float = 90.0) -> ZkCluster:
         for s in self.servers:
