@@ -9,7 +9,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,8 @@ class Config:
     depths: tuple[int, ...] = (100, 20000)
     batch_jobs: int = 64
     batch_slots: tuple[int, ...] = (8, 1)
-    max_new_tokens: int = 32
+    #: The library's default (zkqueue.defaults.MAX_NEW_TOKENS).
+    max_new_tokens: int = 64
     scenarios: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -247,8 +247,3 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
     return ordered[rank]
-
-
-def pipe_of(agent: AgentHandle) -> Connection:
-    conn: Connection = agent.conn
-    return conn

@@ -54,9 +54,16 @@ def run_batching(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     cfg = bench.config
     model_dir = str(Path(tempfile.gettempdir()) / "zkq-bench-tiny-model")
     agent = bench.special("model")
-    loaded = agent.call("hf_load", timeout=300, model_dir=model_dir)
-    log(f"  tiny model loaded in {loaded['load_s']:.1f} s")
     texts = prompts(cfg.batch_jobs)
+    loaded = agent.call(
+        "hf_load",
+        timeout=300,
+        model_dir=model_dir,
+        prompts=texts,
+        max_new_tokens=cfg.max_new_tokens,
+        batches=list(cfg.batch_slots),
+    )
+    log(f"  tiny model loaded in {loaded['load_s']:.1f} s, warmed in {loaded['warm_s']:.1f} s")
     runs: dict[str, list[float]] = {f"worker_{s}_slots": [] for s in cfg.batch_slots}
     runs["direct_generate"], runs["direct_runner"] = [], []
     for _ in range(cfg.reps):

@@ -346,15 +346,15 @@ def _md_herd(results: dict[str, Any]) -> str:
         return ""
     return _table(
         ["system", "idle workers", "notifications/job", "max in one job", "sessions woken/job",
-         "max sessions woken", "by type (all jobs)"],
+         "max sessions woken", "per job, by event and watched node"],
         [[r["system"], r["workers"], r["notifications_per_job"], r["max_notifications"],
           r["sessions_woken_per_job"], r["max_sessions_woken"],
-          ", ".join(f"{k} {v}" for k, v in sorted(r["by_type"].items()))]
+          ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["by_type"].items()))]
          for r in herd["rows"]],
     ) + (
         "\n\nCounted on the wire: every watch notification a worker's session receives (a "
         "wrapper on kazoo's watch reader), after a sync and a flush of each session's callbacks "
-        "once the job is done. The by-type column is cumulative for the sessions since start."
+        "once the job is done."
     )  # fmt: skip
 
 

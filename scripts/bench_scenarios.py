@@ -212,7 +212,7 @@ def _herd_measure(
 ) -> dict[str, Any]:
     """Run jobs one at a time; after each, flush every session's notifications and count them."""
     per_job, woken, events = [], [], []
-    before = call_all(agents, "stats", flush=True)
+    before = first = call_all(agents, "stats", flush=True)
     for _ in range(bench.config.herd_jobs):
         one_job()
         after = call_all(agents, "stats", flush=True)
@@ -235,7 +235,7 @@ def _herd_measure(
         "sessions_woken_per_job": sum(woken) / jobs,
         "max_sessions_woken": max(woken, default=0),
         "worker_watch_events_per_job": sum(events) / jobs,
-        "by_type": _watch_types(before),
+        "by_type": {k: v / jobs for k, v in _watch_types(before, first).items() if v},
     }
 
 
@@ -243,11 +243,12 @@ def _watches(stats: dict[str, Any]) -> int:
     return sum(stats["wire"].get("watches", {}).values())
 
 
-def _watch_types(stats: list[dict[str, Any]]) -> dict[str, int]:
+def _watch_types(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, int]:
+    """Notifications by event type and watched path, summed over the sessions."""
     total: dict[str, int] = {}
-    for s in stats:
-        for k, v in s["wire"].get("watches", {}).items():
-            total[k] = total.get(k, 0) + v
+    for a, b in zip(after, before, strict=True):
+        for k, v in a["wire"].get("watches", {}).items():
+            total[k] = total.get(k, 0) + v - b["wire"].get("watches", {}).get(k, 0)
     return total
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.protocol.connection import ConnectionHandler
+from kazoo.protocol.serialization import Watch
 
 #: Request types that change state: each is one write round trip (a multi is one transaction).
 WRITES = frozenset(
@@ -49,14 +50,28 @@ def install() -> None:
         return call(self, request, async_object)
 
     def counting_watch(self: ConnectionHandler, buffer: bytes, offset: int) -> Any:
-        # The watch header's first int is the event type (big endian), right at offset.
-        kind = int.from_bytes(buffer[offset : offset + 4], "big", signed=True)
+        watch, _ = Watch.deserialize(buffer, offset)
+        key = f"{_WATCH_TYPES.get(watch.type, str(watch.type))} {_path_kind(watch.path)}"
         with _lock:
-            _watches[_WATCH_TYPES.get(kind, str(kind))] += 1
+            _watches[key] += 1
         return read_watch(self, buffer, offset)
 
     KazooClient._call = counting_call  # type: ignore[method-assign]
     ConnectionHandler._read_watch_event = counting_watch  # type: ignore[method-assign]
+
+
+def _path_kind(path: str) -> str:
+    """What a watched path is, in zkq's layout (or kazoo LockingQueue's)."""
+    parts = path.rsplit("/", 3)
+    if len(parts) >= 2 and parts[-2] == "line":
+        return "line node"
+    if parts[-1] in ("claims", "taken", "entries", "line"):
+        return f"{parts[-1]}/"
+    if parts[-1] in ("high", "normal", "low") and len(parts) >= 2 and parts[-2] == "pending":
+        return "pending/<priority>/"
+    if len(parts) >= 3 and parts[-3] == "pending":
+        return "entry"
+    return "other"
 
 
 def snapshot() -> dict[str, Any]:

@@ -20,24 +20,25 @@ def test_systemd_unit_template() -> None:
     unit.read(ROOT / "deploy" / "zkq-worker@.service")
     service = unit["Service"]
     assert service["Type"] == "notify"
-    assert service["EnvironmentFile"] == "/etc/zkq/%i.env"
+    assert service["EnvironmentFile"] == "-/etc/zkq/%i.env"
+    assert "--config /etc/zkq/%i.toml" in service["ExecStart"]
     assert service["Restart"] == "on-failure"
     assert service["KillSignal"] == "SIGTERM"
     assert int(service["TimeoutStopSec"]) > defaults.DRAIN_TIMEOUT
     assert " worker" in service["ExecStart"]
 
 
-def test_example_env_names_real_options(zkq) -> None:
-    names = [
-        line.split("=", 1)[0]
-        for line in (ROOT / "deploy" / "example.env").read_text().splitlines()
-        if line and not line.startswith("#")
-    ]
-    help_text = zkq("worker", "--help").stdout
-    for name in names:
-        if name.startswith("ZKQ_WORKER_"):
-            option = "--" + name.removeprefix("ZKQ_WORKER_").lower().replace("_", "-")
-            assert option in help_text, option
+def test_example_toml_is_a_valid_worker_config() -> None:
+    from click.testing import CliRunner
+
+    from workers.config import read_config
+    from zkqueue.cli import cli
+
+    settings = read_config(ROOT / "deploy" / "example.toml")
+    worker_options = {p.name for p in cli.commands["worker"].params}
+    global_options = {p.name for p in cli.params}
+    assert set(settings) <= worker_options | global_options
+    assert CliRunner().invoke(cli, ["worker", "--help"]).exit_code == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

@@ -43,6 +43,7 @@ from zkqueue.claims import Candidate, Claim, Claims
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, check_queue
 from zkqueue.line import Line
+from zkqueue.logs import job_context
 from zkqueue.registry import Registry, WorkerRecord
 from zkqueue.result import Result
 from zkqueue.spec import JobSpec
@@ -464,7 +465,8 @@ class Worker:
             if self.memory is not None:
                 self.memory.reserve(batch.need)
             self._executor.submit(self._execute, batch)
-        log.info("claimed %s", ", ".join(f"{h.claim.id}({h.claim.priority})" for h in held))
+        for h in held:
+            log.info("claimed (attempt %d)", h.claim.token, extra=self._context(h))
 
     def _watch_entry(self, held: _Held) -> None:
         name = held.claim.entry.name
@@ -540,17 +542,25 @@ class Worker:
     def _finish(self, held: _Held, outcome: Outcome) -> None:
         """Write the job's end, fenced by its token. Raises on connection trouble (retried)."""
         claim, reason = held.claim, held.job.cancel_reason
+        context = self._context(held)
         if reason == "cancelled":
             self.claims.drop(claim)
+            log.info("stopped: cancelled or withdrawn", extra=context)
         elif reason == "released":
             self.stats.released += self.claims.release(claim)
+            log.info("released to other workers", extra=context)
         elif reason in ("fenced", "lost"):
             self.stats.fenced += 1
+            log.warning("stopped without a result: claim %s", reason, extra=context)
         elif self._complete(held, outcome):
             self.stats.completed += 1
+            log.info("%s in %.2fs", outcome.status, time.time() - claim.claimed_at, extra=context)
         else:
             self.stats.fenced += 1
             self.claims.release(claim)
+
+    def _context(self, held: _Held) -> dict[str, str]:
+        return job_context(held.claim.id, self.queue, held.claim.priority, self.id)
 
     def _complete(self, held: _Held, outcome: Outcome) -> bool:
         claim = held.claim

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
@@ -15,6 +14,7 @@ from zkqueue import defaults
 from zkqueue.client import Client
 from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ExitCode, JobTimeout, ZkqError
+from zkqueue.logs import configure as configure_logging
 from zkqueue.result import Result
 
 
@@ -115,6 +115,13 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--tls-cert", default=None, envvar="ZKQ_TLS_CERT", help="Client certificate (PEM).")
 @click.option("--tls-key", default=None, envvar="ZKQ_TLS_KEY", help="Client key (PEM).")
 @click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    envvar="ZKQ_LOG_FORMAT",
+    help="json: one JSON object per line, for log aggregation.",
+)
+@click.option(
     "--log-level",
     default="WARNING",
     envvar="ZKQ_LOG_LEVEL",
@@ -128,6 +135,7 @@ def cli(
     session_timeout: float,
     connect_timeout: float,
     log_level: str,
+    log_format: str,
     **security: str | None,
 ) -> None:
     """zkq: a priority job queue for GPU inference on ZooKeeper.
@@ -139,11 +147,7 @@ def cli(
       zkq submit --detach --json "Summarize this" | jq -r .id
       zkq status ID; zkq result ID --wait --timeout 60
     """
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if log_level.upper() != "DEBUG":  # kazoo logs every refused connection attempt
-        logging.getLogger("kazoo.client").setLevel(logging.ERROR)
+    configure_logging(log_level, log_format)
     ctx.obj = {
         "zk": zk,
         "root": root,
@@ -186,6 +190,19 @@ def cli(
     help="Seconds the job may wait to start before it expires.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option(
+    "--file",
+    "file_",
+    type=click.File("r"),
+    default=None,
+    help="Submit every line of a JSONL file (one job spec per line).",
+)
+@click.option(
+    "--out",
+    type=click.File("w"),
+    default="-",
+    help="With --file: write the results (JSONL, input order) here instead of stdout.",
+)
 @click.pass_context
 @handles_errors
 def submit(
@@ -197,6 +214,8 @@ def submit(
     detach: bool,
     timeout: float | None,
     as_json: bool,
+    file_: TextIO | None,
+    out: TextIO,
     **params: Any,
 ) -> None:
     """Submit PROMPT (or stdin with '-' or no PROMPT) and print the output.
@@ -206,7 +225,13 @@ def submit(
       zkq submit --priority high "Translate: bonjour"
       echo "long prompt" | zkq submit --max-new-tokens 128 --json
       zkq submit --detach "batch job"        # prints the job id
+      zkq submit --file prompts.jsonl --out results.jsonl
     """
+    if file_ is not None:
+        if prompt != "-":
+            raise click.UsageError("give a PROMPT or --file, not both")
+        options = {"priority": priority, "queue": queue, "max_new_tokens": max_new_tokens}
+        sys.exit(_submit_file(ctx, file_, out, options, detach, timeout))
     text = sys.stdin.read() if prompt == "-" else prompt
     extra = {k: v for k, v in params.items() if v is not None}
     with _client(ctx) as client:
@@ -224,6 +249,54 @@ def submit(
         record = job.result(timeout=timeout)
     _print_result(record, as_json)
     sys.exit(_exit_for(record))
+
+
+def _submit_file(
+    ctx: click.Context,
+    source: TextIO,
+    out: TextIO,
+    options: dict[str, Any],
+    detach: bool,
+    timeout: float | None,
+) -> int:
+    """Bulk submit; exit 0, or 2 if a line was refused, or 1 if a job did not succeed."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from zkqueue import bulk
+
+    with _client(ctx) as client:
+        lines = bulk.read_lines(source, limit=client.max_spec_bytes)
+        for line in lines:
+            if line.error is not None:
+                click.echo(f"zkq: line {line.number}: {line.error}", err=True)
+        good = sum(1 for line in lines if line.spec is not None)
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("submitting", total=good)
+            bulk.submit_lines(
+                client, lines, detach=detach, **options, progress=lambda n: bar.advance(task, n)
+            )
+            if detach:
+                records = [
+                    {"line": x.number, "id": x.job.id}
+                    if x.job
+                    else {"line": x.number, "status": "invalid", "error": x.error}
+                    for x in lines
+                ]
+            else:
+                bar.update(task, description="waiting for results", completed=0)
+                records = []
+                for record in bulk.results(lines, timeout):
+                    records.append(record)
+                    bar.advance(task, 1 if "id" in record else 0)
+    for record in records:
+        out.write(json.dumps(record, default=str) + "\n")
+    out.flush()
+    if any(r.get("status") == "invalid" for r in records):
+        return ExitCode.USAGE
+    if not detach and any(r.get("status") != "succeeded" for r in records):
+        return ExitCode.JOB_FAILED
+    return ExitCode.OK
 
 
 def _print_result(record: Result, as_json: bool) -> None:
@@ -440,6 +513,12 @@ def workers(ctx: click.Context, as_json: bool) -> None:
     show_default=True,
     help="Seconds finished results are kept (by the janitor).",
 )
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML file with worker settings: flags override it, it overrides ZKQ_* variables.",
+)
 @click.pass_context
 @handles_errors
 def worker(ctx: click.Context, **options: Any) -> None:
@@ -450,8 +529,12 @@ def worker(ctx: click.Context, **options: Any) -> None:
       zkq worker --queue default --runner echo --max-concurrency 4
       zkq worker --queue llama --model /srv/models/llama --max-concurrency 8 --vram-reserve 2GiB
     """
+    from workers.config import apply_config
     from workers.daemon import WorkerOptions, run_worker
 
+    config = options.pop("config")
+    if config is not None:
+        apply_config(ctx, options, config)
     sys.exit(run_worker(_settings(ctx), ctx.obj["root"], WorkerOptions(**options)))
 
 
@@ -534,6 +617,24 @@ def janitor(ctx: click.Context, interval: float, result_ttl: float, once: bool) 
             _settings(ctx), ctx.obj["root"], interval=interval, result_ttl=result_ttl, once=once
         )
     )
+
+
+@cli.command()
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell: str) -> None:
+    """Print the shell completion script.
+
+    \b
+    Example:
+      zkq completion bash > /etc/bash_completion.d/zkq
+      eval "$(zkq completion zsh)"
+    """
+    from click.shell_completion import get_completion_class
+
+    cls = get_completion_class(shell)
+    if cls is None:  # pragma: no cover - the choice above lists the supported shells
+        raise click.UsageError(f"no completion for {shell}")
+    click.echo(cls(cli, {}, "zkq", "_ZKQ_COMPLETE").source())
 
 
 @cli.command("tiny-model")

@@ -145,3 +145,36 @@ def _check_opt_float(
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         bound = f"{'above' if low_open else 'at least'} {low} and at most {high}"
         raise InvalidJob(f"{name} must be {bound}, not {value}")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A validated job ready to enqueue: where it goes and the bytes of its spec."""
+
+    queue: str
+    priority: str
+    data: bytes
+
+
+def parse_submission(
+    raw: str | Mapping[str, Any],
+    *,
+    priority: str = defaults.PRIORITY,
+    queue: str = defaults.QUEUE,
+    max_new_tokens: int | None = None,
+    limit: int = defaults.MAX_SPEC_BYTES,
+) -> Submission:
+    """Validate one job given as a prompt or as a mapping with ``prompt`` and optional
+    ``priority``, ``queue``, ``max_new_tokens`` and job parameters (a line of a JSONL file)."""
+    from zkqueue.layout import check_priority, check_queue
+
+    if not isinstance(raw, str | Mapping):
+        raise InvalidJob(f"a job must be a prompt or a JSON object, not {type(raw).__name__}")
+    fields: dict[str, Any] = {"prompt": raw} if isinstance(raw, str) else dict(raw)
+    prio = check_priority(fields.pop("priority", priority))
+    target = check_queue(fields.pop("queue", queue))
+    prompt = fields.pop("prompt", None)
+    if prompt is None:
+        raise InvalidJob("no prompt")
+    mnt = fields.pop("max_new_tokens", max_new_tokens)
+    return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit))

@@ -1,0 +1,619 @@
+"""Fault injection: scenarios that break real ZooKeeper servers and real worker processes while
+jobs flow, then audit the queue. The promise under test: every job ends with exactly one result
+record (or is withdrawn by design), whatever crashes, hangs, failovers or garbage came first.
+
+Each scenario starts what it needs (ZooKeeper from Debian's package unless it is given one,
+``zkq worker`` subprocesses, producers), injects one kind of fault, waits (bounded) for the queue
+to drain, and returns a ChaosReport. Everything listens on loopback and everything it started is
+torn down in ``finally``. tests/test_chaos.py runs small sizes; scripts/chaos.py runs larger ones
+and writes RELIABILITY.md.
+
+Times: faults are stamped with ``time.time()`` and results with their znode's ``ctime``, the
+server's clock, which on loopback is this host's clock. So "the first result after the restart"
+is the first completion the server committed after it, not when a worker began to write it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss, NoNodeError, OperationTimeoutError, SessionExpiredError
+
+from workers.loop import Worker
+from workers.runners.base import Outcome, RunningJob
+from workers.runners.echo import EchoRunner
+from zkqueue import defaults
+from zkqueue import result as results
+from zkqueue.client import Client
+from zkqueue.connection import ConnectionSettings, close, connect
+from zkqueue.errors import JobWithdrawn, ZkqError
+from zkqueue.janitor import JanitorService
+from zkqueue.job import Job
+from zkqueue.layout import Layout
+from zkqueue.zkserver import ZkCluster
+
+QUEUE = defaults.QUEUE
+_REPO = Path(__file__).resolve().parents[1]
+_ZK_TROUBLE = (ConnectionLoss, SessionExpiredError, OperationTimeoutError, ZkqError)
+#: Seconds between polls of a bounded wait.
+_POLL = 0.05
+#: Longest a hung runner stays stuck if nobody releases it (keeps every thread bounded).
+_HANG_LIMIT = 300.0
+
+T = TypeVar("T")
+
+
+class ChaosError(RuntimeError):
+    """A scenario could not set up its fault (a worker never registered, no leader...)."""
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+@dataclass
+class ChaosReport:
+    """What one scenario did and what the audit found. ``ok`` is the promise held."""
+
+    scenario: str
+    fault: str
+    #: What ``recovery_s`` measures, in words.
+    recovery: str
+    jobs: int = 0
+    #: Jobs that ended with exactly one result of the status the scenario defines (succeeded,
+    #: or dead for a garbage entry that has a job id).
+    exactly_once: int = 0
+    #: Jobs with no result (withdrawn attached requests are counted apart).
+    lost: int = 0
+    #: Results written more than once (re-created or overwritten), or a job that still has an
+    #: entry next to its result and so could run and answer again.
+    duplicated: int = 0
+    #: Entries still pending or claimed after the queue drained.
+    leftovers: int = 0
+    #: Results whose id nobody submitted.
+    orphans: int = 0
+    #: Jobs that ended with another status than the scenario defines.
+    unexpected: int = 0
+    #: Attached requests withdrawn by design (their producer's session ended).
+    withdrawn: int = 0
+    workers: int = 0
+    #: Claims per job (the result's ``attempts``) -> number of jobs.
+    attempts: dict[int, int] = field(default_factory=dict)
+    recovery_s: float | None = None
+    wall_s: float = 0.0
+    #: Scenario-specific checks, by name.
+    checks: dict[str, bool] = field(default_factory=dict)
+    #: Scenario-specific figures (other timings, counts).
+    details: dict[str, Any] = field(default_factory=dict)
+    #: Worker log tails, kept only when something failed.
+    logs: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def failures(self) -> list[str]:
+        """Each way the scenario broke the promise, in words (empty when it held)."""
+        out = [f"check failed: {name}" for name, passed in self.checks.items() if not passed]
+        for name in ("lost", "duplicated", "leftovers", "orphans", "unexpected"):
+            if getattr(self, name):
+                out.append(f"{name}={getattr(self, name)}")
+        if self.exactly_once + self.withdrawn != self.jobs:
+            out.append(f"exactly_once={self.exactly_once} of {self.jobs} jobs")
+        return out
+
+    def summary(self) -> str:
+        recovery = "n/a" if self.recovery_s is None else f"{self.recovery_s:.2f}s"
+        return (
+            f"{self.scenario}: {self.exactly_once}/{self.jobs} exactly once, lost {self.lost}, "
+            f"duplicated {self.duplicated}, leftovers {self.leftovers}, orphans {self.orphans}, "
+            f"recovery {recovery}, wall {self.wall_s:.1f}s, attempts {self.attempts}"
+            + ("" if self.ok else f" -- FAILED: {'; '.join(self.failures())}")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "logs"} | {"ok": self.ok}
+
+
+# -- bounded waits ---------------------------------------------------------------------------
+
+
+def poll(condition: Callable[[], T], timeout: float, interval: float = _POLL) -> T | None:
+    """Call ``condition`` until it returns something truthy (returned) or ``timeout`` passes
+    (None). ZooKeeper being away while we poll counts as "not yet"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = condition()
+        except _ZK_TROUBLE:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval)
+
+
+def need(condition: Callable[[], T], timeout: float, what: str) -> T:
+    """Like poll, but a timeout is a setup failure of the scenario."""
+    value = poll(condition, timeout)
+    if not value:
+        raise ChaosError(f"timed out after {timeout:g}s waiting for {what}")
+    return value
+
+
+def hold(seconds: float, check: Callable[[], bool], what: str) -> None:
+    """Keep a fault in place for ``seconds`` (its defined duration), checking meanwhile that
+    ``check`` stays true (for example: every worker process is still alive)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if not check():
+            raise ChaosError(f"during the fault: {what}")
+        time.sleep(min(left, 0.2))
+
+
+# -- worker processes ------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+class WorkerProcess:
+    """A ``zkq worker --runner echo`` subprocess with its own log file."""
+
+    def __init__(
+        self,
+        name: str,
+        hosts: str,
+        root: str,
+        log_dir: Path,
+        *,
+        delay: float,
+        slots: int,
+        session_timeout: float,
+        extra: Iterable[str] = (),
+    ) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        cmd = [
+            *("--zk", hosts, "--root", root, "--session-timeout", f"{session_timeout:g}"),
+            *("--log-level", "INFO", "worker", "--runner", "echo"),
+            *("--echo-delay", f"{delay:g}", "--max-concurrency", str(slots), "--name", name),
+            *extra,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "zkqueue.cli", *cmd],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_env(),
+                cwd=_REPO,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, sig: int) -> None:
+        if self.alive:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """kill -9: no drain, no goodbye; its session lingers until ZooKeeper expires it."""
+        self.send(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> None:
+        """SIGTERM (drain), then SIGKILL if it has not exited within ``timeout``."""
+        self.send(signal.SIGCONT)
+        self.send(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_has(self, text: str) -> bool:
+        try:
+            return text in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+
+
+# -- a scenario's world ----------------------------------------------------------------------
+
+
+class Stage:
+    """One scenario's world: ZooKeeper (its own, or a shared one at ``hosts``), a fresh root, an
+    audit client, and the worker processes it started. Closing it tears all of them down."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        hosts: str | None = None,
+        servers: int = 1,
+        session_timeout: float = 3.0,
+    ) -> None:
+        self.name = name
+        self.session_timeout = session_timeout
+        self.dir = Path(tempfile.mkdtemp(prefix=f"zkq-chaos-{name}-"))
+        self.cluster: ZkCluster | None = None
+        self._hosts = hosts
+        self._servers = servers
+        self.root = f"/chaos-{name}-{uuid.uuid4().hex[:8]}"
+        self.layout = Layout(self.root)
+        self.workers: list[WorkerProcess] = []
+        self._client: Client | None = None
+        self._cleanups: list[Callable[[], None]] = []
+
+    @property
+    def hosts(self) -> str:
+        if self.cluster is not None:
+            return self.cluster.hosts
+        assert self._hosts is not None
+        return self._hosts
+
+    @property
+    def client(self) -> Client:
+        assert self._client is not None, "use the stage as a context manager"
+        return self._client
+
+    @property
+    def zk(self) -> KazooClient:
+        return self.client.zk
+
+    def __enter__(self) -> Stage:
+        try:
+            if self._hosts is None:
+                self.cluster = ZkCluster(self._servers, base=self.dir / "zk").start()
+            self._client = Client(
+                self.hosts, self.root, session_timeout=self.session_timeout
+            ).start()
+            self.client.ensure_queue(QUEUE)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def on_close(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` at teardown (before the workers and servers go), last added first."""
+        self._cleanups.append(cleanup)
+
+    def close(self) -> None:
+        for cleanup in reversed(self._cleanups):
+            with contextlib.suppress(Exception):
+                cleanup()
+        for w in self.workers:
+            w.kill()
+        if self._client is not None:
+            self._client.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def spawn(
+        self, name: str, *, delay: float, slots: int = 1, extra: Iterable[str] = ()
+    ) -> WorkerProcess:
+        worker = WorkerProcess(
+            name,
+            self.hosts,
+            self.root,
+            self.dir,
+            delay=delay,
+            slots=slots,
+            session_timeout=self.session_timeout,
+            extra=extra,
+        )
+        self.workers.append(worker)
+        return worker
+
+    def registered(self) -> set[str]:
+        try:
+            return set(self.zk.get_children(self.layout.workers()))
+        except NoNodeError:
+            return set()
+
+    def wait_registered(self, names: Iterable[str], timeout: float = 30.0) -> None:
+        wanted = set(names)
+        need(lambda: wanted <= self.registered(), timeout, f"workers {sorted(wanted)} registered")
+
+    def all_alive(self, workers: Iterable[WorkerProcess]) -> bool:
+        return all(w.alive for w in workers)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.name} ---\n{w.log_tail()}" for w in self.workers)
+
+    # -- reading the queue -----------------------------------------------------------------
+
+    def result_ids(self) -> set[str]:
+        return set(self.zk.get_children(self.layout.results(QUEUE)))
+
+    def claims_by_worker(self) -> dict[str, set[str]]:
+        """Job ids currently claimed, per worker name (from the claim nodes' data)."""
+        path = self.layout.claims(QUEUE)
+        calls = [(n, self.zk.get_async(f"{path}/{n}")) for n in self.zk.get_children(path)]
+        out: dict[str, set[str]] = {}
+        for name, call in calls:
+            with contextlib.suppress(NoNodeError):
+                worker = json.loads(call.get()[0]).get("worker")
+                out.setdefault(str(worker), set()).add(name.split("-", 1)[0])
+        return out
+
+    def drained(self, ids: Iterable[str], timeout: float) -> bool:
+        """Bounded wait until every job in ``ids`` has a result."""
+        wanted = set(ids)
+        return bool(poll(lambda: wanted <= self.result_ids(), timeout, 0.1))
+
+    def audit(
+        self,
+        expected: Mapping[str, str],
+        received: Mapping[str, results.Result] | None = None,
+        withdrawn: Iterable[str] = (),
+    ) -> Audit:
+        return audit(self.zk, self.layout, expected, received or {}, set(withdrawn))
+
+    def finish(self, report: ChaosReport, started: float) -> ChaosReport:
+        report.wall_s = time.monotonic() - started
+        if not report.ok:
+            report.logs = self.logs()
+        return report
+
+
+# -- steady load -----------------------------------------------------------------------------
+
+
+class Feeder:
+    """A producer on its own thread and session: ``total`` detached jobs at ``rate`` per
+    second. ``pause()`` holds it (e.g. while the ensemble has no quorum)."""
+
+    def __init__(
+        self, hosts: str, root: str, total: int, rate: float, session_timeout: float
+    ) -> None:
+        self.hosts, self.root = hosts, root
+        self.total, self.rate = total, rate
+        self.session_timeout = session_timeout
+        self.ids: list[str] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name="chaos-feeder", daemon=True)
+
+    def start(self) -> Feeder:
+        self._thread.start()
+        return self
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._running.set()
+        self._thread.join(timeout)
+
+    def wait(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return self.done
+
+    def _run(self) -> None:
+        with Client(self.hosts, self.root, session_timeout=self.session_timeout) as client:
+            start = time.monotonic()
+            for i in range(self.total):
+                while not self._running.wait(0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                self._submit(client, i)
+                self._stop.wait(max(0.0, start + (i + 1) / self.rate - time.monotonic()))
+
+    def _submit(self, client: Client, i: int) -> None:
+        try:
+            self.ids.append(client.submit(f"chaos job {i}", detach=True).id)
+        except ZkqError as exc:
+            # Nothing of ours to audit: the error says the job may not exist (see RELIABILITY.md)
+            self.errors.append(f"job {i}: {exc}")
+
+
+class Waiter:
+    """An attached request on its own thread: submit, then wait for the result."""
+
+    def __init__(self, client: Client, prompt: str, timeout: float) -> None:
+        self.client = client
+        self.prompt = prompt
+        self.timeout = timeout
+        self.job: Job | None = None
+        self.record: results.Result | None = None
+        self.withdrawn = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="chaos-waiter", daemon=True)
+
+    def start(self) -> Waiter:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.job = self.client.submit(self.prompt)
+            self.record = self.job.result(timeout=self.timeout)
+        except JobWithdrawn:
+            self.withdrawn = True
+        except ZkqError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+# -- the audit -------------------------------------------------------------------------------
+
+
+@dataclass
+class Audit:
+    """The queue's state against what was submitted. ``records`` maps a job id to its result
+    record; ``ctimes`` to its server-side creation time (unix seconds; absent for results an
+    attached producer read and removed)."""
+
+    records: dict[str, dict[str, Any]]
+    ctimes: dict[str, float]
+    expected: dict[str, str]
+    lost: list[str]
+    orphans: list[str]
+    unexpected: list[str]
+    leftovers: list[str]
+    duplicated: int
+    withdrawn: int
+
+    @property
+    def exactly_once(self) -> int:
+        return sum(
+            1 for i, status in self.expected.items() if self.records.get(i, {}).get("status") == status
+        )
+
+    def attempts(self) -> dict[int, int]:
+        counts = Counter(int(self.records[i].get("attempts") or 0) for i in self.expected if i in self.records)
+        return dict(sorted(counts.items()))
+
+    def first_after(self, t: float, ids: Iterable[str] | None = None) -> float | None:
+        """Seconds from ``t`` to the first result committed after it (among ``ids``)."""
+        times = [c for i, c in self.ctimes.items() if c > t and (ids is None or i in set(ids))]
+        return min(times) - t if times else None
+
+    def last_of(self, ids: Iterable[str], t: float) -> float | None:
+        """Seconds from ``t`` to the last result among ``ids`` (None if one is missing)."""
+        times = [self.ctimes.get(i) for i in ids]
+        if not times or None in times:
+            return None
+        return max(c for c in times if c is not None) - t
+
+    def by_worker(self, worker: str) -> list[dict[str, Any]]:
+        return [r for r in self.records.values() if r.get("worker") == worker]
+
+    def fill(self, report: ChaosReport) -> ChaosReport:
+        report.jobs = len(self.expected)
+        report.exactly_once = self.exactly_once
+        report.lost = len(self.lost)
+        report.duplicated = self.duplicated
+        report.leftovers = len(self.leftovers)
+        report.orphans = len(self.orphans)
+        report.unexpected = len(self.unexpected)
+        report.withdrawn = self.withdrawn
+        report.attempts = self.attempts()
+        if self.lost or self.unexpected or self.leftovers or self.orphans:
+            report.details["audit"] = {
+                "lost": self.lost[:10],
+                "unexpected": {i: self.records[i].get("status") for i in self.unexpected[:10]},
+                "leftovers": self.leftovers[:10],
+                "orphans": self.orphans[:10],
+            }
+        return report
+
+
+def audit(
+    zk: KazooClient,
+    layout: Layout,
+    expected: Mapping[str, str],
+    received: Mapping[str, results.Result],
+    withdrawn: set[str],
+) -> Audit:
+    """Read every result, entry and claim of the queue and compare with ``expected`` (job id ->
+    the status it must end with). ``received`` are results attached producers read (and so
+    removed); ``withdrawn`` attached requests that were withdrawn by design.
+
+    Duplicates: results are keyed by id, so a second answer would have to re-create or overwrite
+    a result. The results directory's ``cversion`` counts its children's creates and deletes,
+    so ``(cversion + children) / 2`` is how many results were ever created; more than the
+    number of distinct ids with a result means one was written twice. A result's own version
+    above 0 means it was overwritten."""
+    stored, ctimes, rewritten, creates = _read_results(zk, layout)
+    records = {i: r.to_dict() for i, r in received.items()} | stored
+    distinct = len(set(stored) | set(received))
+    leftovers = _leftovers(zk, layout)
+    still_pending = {name.split("-", 1)[0] for name in leftovers}
+    lost = sorted(i for i in expected if i not in records and i not in withdrawn)
+    return Audit(
+        records=records,
+        ctimes=ctimes,
+        expected=dict(expected),
+        lost=lost,
+        orphans=sorted(i for i in records if i not in expected),
+        unexpected=sorted(
+            i for i, s in expected.items() if i in records and records[i].get("status") != s
+        ),
+        leftovers=leftovers,
+        duplicated=rewritten + max(0, creates - distinct) + len(still_pending & set(records)),
+        withdrawn=len(withdrawn & set(expected)),
+    )
+
+
+def _read_results(
+    zk: KazooClient, layout: Layout
+) -> tuple[dict[str, dict[str, Any]], dict[str, float], int, int]:
+    path = layout.results(QUEUE)
+    names, stat = zk.get_children(path, include_data=True)
+    calls = [(n, zk.get_async(f"{path}/{n}")) for n in names]
+    records: dict[str, dict[str, Any]] = {}
+    ctimes: dict[str, float] = {}
+    rewritten = 0
+    for name, call in calls:
+        data, node = call.get()
+        records[name] = json.loads(data)
+        ctimes[name] = node.ctime / 1000
+        rewritten += node.version > 0
+    creates = (stat.cversion + len(names)) // 2
+    return records, ctimes, rewritten, creates
+
+
+def _leftovers(zk: KazooClient, layout: Layout) -> list[str]:
+    """Entry names still pending in any priority, and claims still held."""
+    names: list[str] = []
+    for priority in defaults.PRIORITIES:
+        names += zk.get_children(layout.pending(QUEUE, priority))
+    claims = zk.get_children(layout.claims(QUEUE))
+    return sorted(set(names) | set(claims))
+
+
+def _expect(ids: Iterable[str], status: str = results.SUCCEEDED) -> dict[str, str]:
+    return {i: status for i in ids}
