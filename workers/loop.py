@@ -82,6 +82,8 @@ class WorkerStats:
 class _Held:
     claim: Claim
     job: RunningJob
+    #: Partial output last written to the claim (streaming jobs).
+    published: str = ""
 
 
 @dataclass
@@ -160,6 +162,7 @@ class Worker:
         self._release_deadline: float | None = None
         self._next_heartbeat = 0.0
         self._next_renewal = 0.0
+        self._next_publish = float("inf")
         self._progress_mark: tuple[int, ...] = ()
         self._queue_empty = False
 
@@ -220,10 +223,12 @@ class Worker:
         self._wait_events()
         self._maybe_heartbeat()
         self._maybe_renew()
+        self._maybe_publish()
         return not self._should_exit()
 
     def _wait_events(self) -> None:
-        timeout = max(0.0, min(self._next_heartbeat, self._next_renewal) - time.monotonic())
+        wake_at = min(self._next_heartbeat, self._next_renewal, self._next_publish)
+        timeout = max(0.0, wake_at - time.monotonic())
         if self._drain_deadline is not None:
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
         try:
@@ -441,6 +446,10 @@ class Worker:
 
     def _start(self, claimed: list[Claim], need: int) -> None:
         self.stats.claimed += len(claimed)
+        if any(c.spec.stream for c in claimed):
+            self._next_publish = min(
+                self._next_publish, time.monotonic() + defaults.STREAM_INTERVAL
+            )
         held = [
             _Held(
                 c,
@@ -646,6 +655,36 @@ class Worker:
             return
         for claim in lost:
             log.warning("job %s: claim gone (lease reclaimed or session lost); stopping", claim.id)
+            self._held[claim.entry.name].job.cancel("fenced")
+
+    def _maybe_publish(self) -> None:
+        """Write streaming jobs' output so far into their claims, at most every
+        STREAM_INTERVAL seconds, and only when it changed."""
+        streaming = [
+            h for h in self._held.values() if h.claim.spec.stream and h.job.cancel_reason is None
+        ]
+        now = time.monotonic()
+        if not streaming:
+            self._next_publish = float("inf")
+            return
+        if now < self._next_publish:
+            return
+        self._next_publish = now + defaults.STREAM_INTERVAL
+        changed = []
+        for held in streaming:
+            text = held.job.partial_text()
+            if text != held.published:
+                held.published = text
+                self.claims.set_partial(held.claim, text)
+                changed.append(held.claim)
+        if not changed or self._suspended:
+            return
+        try:
+            lost = self.claims.renew(changed)
+        except _ZK_TROUBLE:
+            self._suspended = True
+            return
+        for claim in lost:
             self._held[claim.entry.name].job.cancel("fenced")
 
     def _maybe_heartbeat(self) -> None:

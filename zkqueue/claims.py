@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -161,6 +162,13 @@ class Claims:
             except NoNodeError:
                 lost.append(claim)
         return lost
+
+    def set_partial(self, claim: Claim, text: str) -> None:
+        """Put a streaming job's output so far into its claim's data (written by the next
+        renew(), so every write also renews the lease)."""
+        body = json.loads(claim.body)
+        body["partial"] = text
+        claim.body = to_json(body)
 
     def release(self, claim: Claim) -> bool:
         """Give the job back (drain, out of memory): it is pending again for any worker."""

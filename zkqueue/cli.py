@@ -14,6 +14,7 @@ from zkqueue import defaults
 from zkqueue.client import Client
 from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ExitCode, JobTimeout, ZkqError
+from zkqueue.job import Job
 from zkqueue.logs import configure as configure_logging
 from zkqueue.result import Result
 
@@ -190,6 +191,7 @@ def cli(
     help="Seconds the job may wait to start before it expires.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--stream", is_flag=True, help="Print the output while it is generated.")
 @click.option(
     "--file",
     "file_",
@@ -216,6 +218,7 @@ def submit(
     as_json: bool,
     file_: TextIO | None,
     out: TextIO,
+    stream: bool,
     **params: Any,
 ) -> None:
     """Submit PROMPT (or stdin with '-' or no PROMPT) and print the output.
@@ -241,11 +244,14 @@ def submit(
             queue=queue,
             max_new_tokens=max_new_tokens,
             detach=detach,
+            **({"stream": True} if stream else {}),
             **extra,
         )
         if detach:
             _emit({"id": job.id}) if as_json else click.echo(job.id)
             return
+        if stream and not as_json:
+            sys.exit(_print_stream(job, timeout))
         record = job.result(timeout=timeout)
     _print_result(record, as_json)
     sys.exit(_exit_for(record))
@@ -297,6 +303,16 @@ def _submit_file(
     if not detach and any(r.get("status") != "succeeded" for r in records):
         return ExitCode.JOB_FAILED
     return ExitCode.OK
+
+
+def _print_stream(job: Job, timeout: float | None) -> int:
+    for piece in job.stream(timeout=timeout):
+        click.echo(piece, nl=False)
+    click.echo()
+    record = job.result()
+    if not record.ok:
+        click.echo(f"zkq: job {record.id} {record.status}: {record.error}", err=True)
+    return _exit_for(record)
 
 
 def _print_result(record: Result, as_json: bool) -> None:

@@ -29,6 +29,9 @@ LEASE = 60.0
 JANITOR_INTERVAL = 5.0
 RESULT_TTL = 24 * 3600.0
 
+#: Seconds between writes of a streaming job's partial output (at most a few a second).
+STREAM_INTERVAL = 0.25
+
 WORKER_SLOTS = 1
 HEARTBEAT_INTERVAL = 2.0
 DRAIN_TIMEOUT = 60.0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
@@ -84,6 +86,54 @@ class Job:
             if self.owned and not self.detach:
                 self.withdraw()
             raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
+        return self._accept(found)
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Yield the output in pieces as the worker generates it (for jobs submitted with
+        ``stream=True``; others yield their whole output at the end), then stop. The result
+        record is then available from ``result()``. On timeout raise JobTimeout, withdrawing
+        the submitter's attached request."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sent = ""
+        while self._result is None:
+            fired = threading.Event()
+            with self.client.mapped():
+                found = self._look_stream(_setter(fired))
+            text, record = found
+            if record is not None:
+                self._accept(record)
+                text = record.output
+            if text.startswith(sent) and len(text) > len(sent):
+                yield text[len(sent) :]
+                sent = text
+            if record is not None:
+                return
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                if self.owned and not self.detach:
+                    self.withdraw()
+                raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
+            fired.wait(_RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS))
+
+    def _look_stream(self, watch: Any) -> tuple[str, Result | None]:
+        """The partial output in the claim (watched), or the result if the job ended."""
+        try:
+            record = self._look(watch)
+        except (ConnectionLoss, SessionExpiredError):
+            return "", None
+        if record is not None or self.entry is None:
+            return "", record
+        claim = self.client.layout.claim(self.queue, self.entry)
+        try:
+            if self.client.zk.exists(claim, watch=watch) is None:
+                return "", None
+            data, _ = self.client.zk.get(claim)
+        except (NoNodeError, ConnectionLoss, SessionExpiredError):
+            return "", None
+        partial = json.loads(data).get("partial")
+        return (partial if isinstance(partial, str) else ""), None
+
+    def _accept(self, found: Result) -> Result:
         if self.owned and not self.detach:
             self._forget_result()
         self._result = found

@@ -18,6 +18,7 @@ from zkqueue.errors import InvalidJob, SpecTooLarge
 
 SPEC_VERSION = 1
 _FIELDS = (
+    "stream",
     "v",
     "prompt",
     "max_new_tokens",
@@ -28,7 +29,7 @@ _FIELDS = (
     "queue_timeout",
 )
 #: Fields a caller may pass as ``**params`` to ``Client.submit``.
-PARAMS = ("temperature", "top_p", "seed", "max_runtime", "queue_timeout")
+PARAMS = ("temperature", "top_p", "seed", "max_runtime", "queue_timeout", "stream")
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,16 @@ class JobSpec:
     max_runtime: float | None = None
     #: Seconds the job may wait in the queue before it ends with status ``expired``.
     queue_timeout: float | None = None
+    #: Publish the output while it is generated (in the claim node, a few times a second).
+    stream: bool = False
 
     def __post_init__(self) -> None:
         _check_str("prompt", self.prompt)
         _check_int("max_new_tokens", self.max_new_tokens, 1, defaults.MAX_NEW_TOKENS_LIMIT)
         _check_opt_float("temperature", self.temperature, 0.0, 100.0)
         _check_opt_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not isinstance(self.stream, bool):
+            raise InvalidJob(f"stream must be true or false, not {self.stream!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_opt_float("max_runtime", self.max_runtime, 0.0, 7 * 86400.0, low_open=True)
@@ -63,7 +68,7 @@ class JobSpec:
         }
         for name in PARAMS:
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and value is not False:
                 out[name] = value
         return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,11 +30,23 @@ class RunningJob:
     cancel_reason: str | None = None
     #: Runner-reported progress (tokens so far); the lease renewal reads it.
     progress: int = 0
+    #: Output so far, for jobs that stream: runners append token ids (decoded with ``decode``)
+    #: or set ``partial`` directly.
+    partial_ids: list[int] = field(default_factory=list)
+    partial: str = ""
+    decode: Callable[[list[int]], str] | None = None
 
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
         self.cancelled.set()
+
+    def partial_text(self) -> str:
+        """The output generated so far (what a streaming caller sees)."""
+        if self.decode is not None and self.partial_ids:
+            # A token may end inside a multi-byte character: hold its half back for now.
+            return self.decode(list(self.partial_ids)).rstrip("\ufffd")
+        return self.partial
 
 
 @dataclass

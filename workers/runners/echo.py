@@ -30,10 +30,12 @@ class EchoRunner:
     def _one(self, job: RunningJob, start: float) -> Outcome:
         limit = job.spec.max_runtime
         wait = self.delay if limit is None else min(self.delay, limit)
+        words = job.spec.prompt.split(" ")
         while (left := start + wait - time.monotonic()) > 0:
             if job.cancelled.wait(min(left, _TICK)):
                 return Outcome(result.CANCELLED, error=f"stopped: {job.cancel_reason}")
             job.progress += 1  # like a token: the worker renews leases while this moves
+            job.partial = " ".join(words[: job.progress])  # what a streaming caller sees
         if limit is not None and self.delay > limit:
             return Outcome(result.TIMEOUT, error=f"exceeded max_runtime of {limit:g}s")
         if self.fail_marker and self.fail_marker in job.spec.prompt:

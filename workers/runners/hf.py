@@ -115,6 +115,8 @@ class _RowStopper(StoppingCriteria):
     def _step(self, row: _Row, token: int, generated: int, now: float) -> None:
         row.generated = min(generated, row.max_new)
         row.job.progress = row.generated
+        if row.job.spec.stream and token not in self.eos:
+            row.job.partial_ids.append(token)
         if token in self.eos:
             row.reason = "eos"
         elif generated >= row.max_new:
@@ -310,6 +312,7 @@ class HFRunner:
         started = time.monotonic()
         width = max(len(r.ids) for r in rows)
         for row in rows:
+            row.job.decode = self._decode
             row.runtime = row.job.spec.max_runtime or self.default_max_runtime
             row.deadline = started + row.runtime if row.runtime else None
         stopper = _RowStopper(rows, width, self._eos, started, self.slow_after)
