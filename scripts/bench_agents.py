@@ -7,6 +7,7 @@ from a forkserver that has imported this module, so starting sixteen of them is 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import traceback
@@ -153,10 +154,19 @@ class Agent:
     # -- the model -----------------------------------------------------------------------------
 
     def cmd_hf_load(
-        self, model_dir: str, prompts: list[str], max_new_tokens: int, batches: list[int]
+        self,
+        model_dir: str,
+        prompts: list[str],
+        max_new_tokens: int,
+        batches: list[int],
+        torch_threads: int | None,
     ) -> dict[str, Any]:
         """Write and load the tiny model, then warm both paths on every prompt at every batch
-        size: the first call on new tensor shapes is several times slower than the next."""
+        size: the first call on new tensor shapes is several times slower than the next.
+        ``torch_threads`` sets OMP_NUM_THREADS before torch is imported, which is what every
+        thread of the process (the worker's executor threads included) starts with."""
+        if torch_threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(torch_threads)
         import bench_model_agent
 
         start = time.perf_counter()
@@ -166,7 +176,13 @@ class Agent:
         for batch in batches:
             bench_model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
             bench_model_agent.direct_generate(model_dir, prompts, max_new_tokens, batch)
-        return {"load_s": load, "warm_s": time.perf_counter() - start - load}
+        import torch
+
+        return {
+            "load_s": load,
+            "warm_s": time.perf_counter() - start - load,
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def cmd_hf_direct(
         self, model_dir: str, prompts: list[str], max_new_tokens: int, batch: int
@@ -241,7 +257,9 @@ class ZkqService(Service):
         def turn_start() -> None:
             claimed_before[0] = w.stats.claimed
 
-        dispatch = w._dispatch
+        dispatch = getattr(w, "_dispatch", None)
+        if dispatch is None:
+            return
 
         def timed_dispatch() -> None:
             turn_start()
@@ -382,8 +400,6 @@ def _job_bytes(i: int) -> bytes:
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_core import QUEUE, Bench, median, wait_until
+from bench_core import QUEUE, AgentHandle, Bench, median, wait_until
 
 _WORDS = [
     "queue",
@@ -51,9 +51,23 @@ def prompts(n: int) -> list[str]:
 
 
 def run_batching(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
+    """The figures with torch on one intra-op thread (two cores shared with ZooKeeper and the
+    harness); in full mode one more repetition with torch's default thread count, for context."""
+    out = _batching(bench, log, "model", torch_threads=1, reps=bench.config.reps)
+    if not bench.config.quick:
+        log("  again with torch's default thread count:")
+        out["torch_default_threads"] = _batching(
+            bench, log, "model-default", torch_threads=None, reps=1
+        )
+    return out
+
+
+def _batching(
+    bench: Bench, log: Callable[[str], None], name: str, torch_threads: int | None, reps: int
+) -> dict[str, Any]:
     cfg = bench.config
     model_dir = str(Path(tempfile.gettempdir()) / "zkq-bench-tiny-model")
-    agent = bench.special("model")
+    agent = bench.special(name)
     texts = prompts(cfg.batch_jobs)
     loaded = agent.call(
         "hf_load",
@@ -62,14 +76,17 @@ def run_batching(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
         prompts=texts,
         max_new_tokens=cfg.max_new_tokens,
         batches=list(cfg.batch_slots),
+        torch_threads=torch_threads,
     )
-    log(f"  tiny model loaded in {loaded['load_s']:.1f} s, warmed in {loaded['warm_s']:.1f} s")
+    log(
+        f"  tiny model loaded in {loaded['load_s']:.1f} s, warmed in {loaded['warm_s']:.1f} s, "
+        f"torch threads {loaded['torch_threads']}"
+    )
     runs: dict[str, list[float]] = {f"worker_{s}_slots": [] for s in cfg.batch_slots}
     runs["direct_generate"], runs["direct_runner"] = [], []
-    for _ in range(cfg.reps):
+    for _ in range(reps):
         for slots in cfg.batch_slots:
-            elapsed = _worker_run(bench, model_dir, texts, slots)
-            runs[f"worker_{slots}_slots"].append(elapsed)
+            runs[f"worker_{slots}_slots"].append(_worker_run(bench, agent, model_dir, texts, slots))
         for kind, command in (
             ("direct_generate", "hf_direct"),
             ("direct_runner", "hf_runner_direct"),
@@ -84,13 +101,16 @@ def run_batching(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
             )
             runs[kind].append(done["elapsed"])
         log("  " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()))
-    bench.drop_special("model")
-    return _summary(runs, cfg.batch_jobs, cfg.batch_slots, cfg.max_new_tokens)
+    bench.drop_special(name)
+    summary = _summary(runs, cfg.batch_jobs, cfg.batch_slots, cfg.max_new_tokens)
+    summary["torch_threads"] = loaded["torch_threads"]
+    return summary
 
 
-def _worker_run(bench: Bench, model_dir: str, texts: list[str], slots: int) -> float:
+def _worker_run(
+    bench: Bench, agent: AgentHandle, model_dir: str, texts: list[str], slots: int
+) -> float:
     """Seconds from go to the last result for a worker with ``slots`` slots, jobs pre-filled."""
-    agent = bench.special("model")
     root = bench.fresh_root(f"batch{slots}")
     client = bench.client(root)
     client.ensure_queue(QUEUE)

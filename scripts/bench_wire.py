@@ -166,8 +166,11 @@ class Timers:
             bucket.append(seconds)
 
     def wrap(self, obj: Any, method: str, name: str | None = None) -> None:
-        """Replace ``obj.method`` by a timed wrapper (on this instance only)."""
-        original: Callable[..., Any] = getattr(obj, method)
+        """Replace ``obj.method`` by a timed wrapper (on this instance only); a method the
+        library no longer has is left out."""
+        original: Callable[..., Any] | None = getattr(obj, method, None)
+        if original is None:
+            return
         key = name or method
 
         def timed(*args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -509,11 +509,15 @@ class Audit:
     @property
     def exactly_once(self) -> int:
         return sum(
-            1 for i, status in self.expected.items() if self.records.get(i, {}).get("status") == status
+            1
+            for i, status in self.expected.items()
+            if self.records.get(i, {}).get("status") == status
         )
 
     def attempts(self) -> dict[int, int]:
-        counts = Counter(int(self.records[i].get("attempts") or 0) for i in self.expected if i in self.records)
+        counts = Counter(
+            int(self.records[i].get("attempts") or 0) for i in self.expected if i in self.records
+        )
         return dict(sorted(counts.items()))
 
     def first_after(self, t: float, ids: Iterable[str] | None = None) -> float | None:
@@ -617,3 +621,276 @@ def _leftovers(zk: KazooClient, layout: Layout) -> list[str]:
 
 def _expect(ids: Iterable[str], status: str = results.SUCCEEDED) -> dict[str, str]:
     return {i: status for i in ids}
+
+
+# -- in-process pieces (the hung worker, the janitor) ----------------------------------------
+
+
+class HungRunner:
+    """A runner wedged like a stuck CUDA kernel: it reports no progress and ignores
+    cancellation until ``release`` is set, then echoes its jobs (too late: their claims are
+    gone)."""
+
+    name = "hung"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.seen: list[str] = []
+
+    def describe(self) -> dict[str, Any]:
+        return {"runner": "hung"}
+
+    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
+        self.seen.extend(j.id for j in jobs)
+        self.started.set()
+        self.release.wait(_HANG_LIMIT)
+        return [Outcome(results.SUCCEEDED, output=j.spec.prompt) for j in jobs]
+
+    def close(self) -> None:
+        self.release.set()
+
+
+class InProcessWorker:
+    """A Worker loop on a thread with its own session, for runners a subprocess cannot take."""
+
+    def __init__(
+        self, stage: Stage, runner: HungRunner | EchoRunner, name: str, **kwargs: Any
+    ) -> None:
+        settings = ConnectionSettings(hosts=stage.hosts, session_timeout=stage.session_timeout)
+        self.zk = connect(settings)
+        self.worker = Worker(
+            self.zk, runner, root=stage.root, name=name, heartbeat_interval=0.5, **kwargs
+        )
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:  # reported by the scenario's checks
+            self.error = exc
+
+    def start(self) -> InProcessWorker:
+        self._thread.start()
+        need(lambda: self.worker.ready.is_set() or self.error, 15, f"{self.worker.id} ready")
+        return self
+
+    def stop(self) -> None:
+        self.worker.stop(drain=False)
+        self._thread.join(15)
+        close(self.zk)
+
+
+def start_janitor(stage: Stage, interval: float) -> JanitorService:
+    """The elected janitor in this process (own session), stopped with the stage."""
+    zk = connect(ConnectionSettings(hosts=stage.hosts, session_timeout=stage.session_timeout))
+    service = JanitorService(zk, stage.layout, "chaos-janitor", interval=interval).start()
+
+    def stop() -> None:
+        service.stop()
+        close(zk)
+
+    stage.on_close(stop)
+    return service
+
+
+# -- helpers shared by scenarios -------------------------------------------------------------
+
+
+def _spawn_fleet(
+    st: Stage, prefix: str, count: int, *, delay: float, slots: int, extra: Iterable[str] = ()
+) -> list[WorkerProcess]:
+    fleet = [st.spawn(f"{prefix}{i}", delay=delay, slots=slots, extra=extra) for i in range(count)]
+    st.wait_registered(w.name for w in fleet)
+    return fleet
+
+
+def _feed(st: Stage, total: int, rate: float) -> Feeder:
+    feeder = Feeder(st.hosts, st.root, total, rate, st.session_timeout).start()
+    st.on_close(feeder.stop)
+    return feeder
+
+
+def _drain(st: Stage, feeder: Feeder, extra_s: float) -> bool:
+    """Wait (bounded) for the feeder to finish and every job it submitted to have a result."""
+    budget = feeder.total / feeder.rate + extra_s
+    feeder.wait(budget)
+    return st.drained(feeder.ids, budget)
+
+
+def _registered_since(st: Stage, name: str, t: float) -> float | None:
+    """The registration's creation time if ``name`` registered (a new node) after ``t``."""
+    stat = st.zk.exists(st.layout.worker(name))
+    if stat is None or stat.ctime / 1000 <= t:
+        return None
+    return float(stat.ctime) / 1000
+
+
+def _served_after(a: Audit, worker: str, t: float) -> int:
+    return sum(
+        1 for i, r in a.records.items() if r.get("worker") == worker and a.ctimes.get(i, 0) > t
+    )
+
+
+# -- (a) kill -9 -----------------------------------------------------------------------------
+
+
+def kill_workers(
+    jobs: int = 40,
+    workers: int = 4,
+    *,
+    kills: int = 2,
+    delay: float = 0.5,
+    slots: int = 2,
+    session_timeout: float = 3.0,
+    hosts: str | None = None,
+) -> ChaosReport:
+    """kill -9 of ``kills`` workers while they run jobs under a steady load of detached jobs;
+    as many replacements start at once. The dead workers' claims vanish with their sessions
+    (after the session timeout) and the jobs run again elsewhere."""
+    started = time.monotonic()
+    report = ChaosReport(
+        "kill-9",
+        f"kill -9 of {kills} of {workers} echo workers ({slots} slots, {delay:g}s jobs) mid-job "
+        f"under steady load; {kills} replacements started",
+        recovery="from the kill until the last job the killed workers held had its result "
+        "(ZooKeeper frees their claims when their sessions expire)",
+    )
+    with Stage("kill9", hosts=hosts, session_timeout=session_timeout) as st:
+        fleet = _spawn_fleet(st, "w", workers, delay=delay, slots=slots)
+        feeder = _feed(st, jobs, workers * slots / delay * 0.6)
+        victims, doomed = _pick_victims(st, fleet, kills)
+        t_kill = time.time()
+        for victim in victims:
+            victim.kill()
+        spares = [st.spawn(f"r{i}", delay=delay, slots=slots) for i in range(kills)]
+        _drain(st, feeder, session_timeout * 4 + 30)
+        a = st.audit(_expect(feeder.ids))
+        a.fill(report)
+        report.workers = workers + kills
+        report.recovery_s = a.last_of(doomed, t_kill)
+        _kill_checks(report, a, st, fleet, victims, spares, doomed, t_kill)
+        report.details["submit_errors"] = feeder.errors
+        return st.finish(report, started)
+
+
+def _pick_victims(
+    st: Stage, fleet: list[WorkerProcess], kills: int
+) -> tuple[list[WorkerProcess], set[str]]:
+    """Workers that hold claims right now, and the jobs they hold."""
+    names = {w.name for w in fleet}
+
+    def busy() -> dict[str, set[str]]:
+        held = {w: ids for w, ids in st.claims_by_worker().items() if w in names}
+        return held if len(held) >= kills else {}
+
+    held = need(busy, 30, f"{kills} workers running jobs")
+    chosen = sorted(held)[:kills]
+    victims = [w for w in fleet if w.name in chosen]
+    return victims, set().union(*(held[n] for n in chosen))
+
+
+def _kill_checks(
+    report: ChaosReport,
+    a: Audit,
+    st: Stage,
+    fleet: list[WorkerProcess],
+    victims: list[WorkerProcess],
+    spares: list[WorkerProcess],
+    doomed: set[str],
+    t_kill: float,
+) -> None:
+    dead = {v.name for v in victims}
+    rerun = [i for i in doomed if a.records.get(i, {}).get("worker") not in dead]
+    late = [
+        r
+        for r in a.records.values()
+        if r.get("worker") in dead and a.ctimes.get(r["id"], 0) > t_kill + 1
+    ]
+    report.details.update(killed_jobs=len(doomed), rerun_elsewhere=len(rerun))
+    report.checks["the killed workers' jobs ran again elsewhere"] = bool(rerun)
+    report.checks["no result from a killed worker after its kill"] = not late
+    report.checks["replacements served jobs"] = any(a.by_worker(s.name) for s in spares)
+    survivors = [w for w in fleet if w not in victims] + spares
+    report.checks["every other worker still running"] = st.all_alive(survivors)
+
+
+# -- (b) SIGSTOP longer than the session -----------------------------------------------------
+
+
+def stop_worker(
+    jobs: int = 30,
+    workers: int = 3,
+    *,
+    delay: float = 0.5,
+    slots: int = 1,
+    session_timeout: float = 3.0,
+    pause: float | None = None,
+    hosts: str | None = None,
+) -> ChaosReport:
+    """SIGSTOP one worker mid-job for longer than its session timeout (a VM freeze, a GC pause,
+    a debugger), then SIGCONT. ZooKeeper expires its session, so its claim goes and the job runs
+    elsewhere; when it wakes it must write nothing for the old claim, notice the lost session,
+    register again and take new jobs, all in the same process."""
+    pause = session_timeout * 2 + 1 if pause is None else pause
+    started = time.monotonic()
+    report = ChaosReport(
+        "sigstop",
+        f"SIGSTOP of 1 of {workers} workers mid-job for {pause:g}s (session timeout "
+        f"{session_timeout:g}s), then SIGCONT",
+        recovery="from SIGCONT until the stopped worker was registered again (new session)",
+    )
+    with Stage("sigstop", hosts=hosts, session_timeout=session_timeout) as st:
+        fleet = _spawn_fleet(st, "w", workers, delay=delay, slots=slots)
+        victim, others = fleet[0], fleet[1:]
+        feeder = _feed(st, jobs, max(1, workers - 1) * slots / delay * 0.6)
+        held = need(lambda: st.claims_by_worker().get(victim.name), 30, "the victim running a job")
+        t_stop = time.time()
+        victim.send(signal.SIGSTOP)
+        expired = poll(lambda: victim.name not in st.registered(), pause)
+        hold(t_stop + pause - time.time(), lambda: st.all_alive(others), "a worker exited")
+        t_cont = time.time()
+        victim.send(signal.SIGCONT)
+        back = poll(lambda: _registered_since(st, victim.name, t_cont), session_timeout * 3 + 10)
+        _drain(st, feeder, session_timeout * 4 + 30)
+        follow = _only_victim_left(st, victim, others, workers)
+        a = st.audit(_expect([*feeder.ids, *follow]))
+        a.fill(report)
+        report.workers = workers
+        report.recovery_s = None if back is None else back - t_cont
+        report.details.update(held_at_stop=sorted(held), submit_errors=feeder.errors)
+        report.checks["its session expired while it was stopped"] = bool(expired)
+        _stop_checks(report, a, victim, held, follow, t_stop, t_cont)
+        return st.finish(report, started)
+
+
+def _only_victim_left(
+    st: Stage, victim: WorkerProcess, others: list[WorkerProcess], count: int
+) -> list[str]:
+    """Drain the other workers away, then submit ``count`` jobs only the victim can run."""
+    for w in others:
+        w.terminate()
+    ids = [st.client.submit(f"after SIGCONT {i}", detach=True).id for i in range(count)]
+    st.drained(ids, 30)
+    return ids
+
+
+def _stop_checks(
+    report: ChaosReport,
+    a: Audit,
+    victim: WorkerProcess,
+    held: set[str],
+    follow: list[str],
+    t_stop: float,
+    t_cont: float,
+) -> None:
+    mine = a.by_worker(victim.name)
+    stale = [r for r in mine if r.get("started_at", 0) < t_stop and a.ctimes[r["id"]] >= t_cont]
+    elsewhere = [i for i in held if a.records.get(i, {}).get("worker") not in (None, victim.name)]
+    report.details.update(stale_writes=len(stale), held_rerun_elsewhere=len(elsewhere))
+    report.checks["no result from the stale worker for a claim made before SIGSTOP"] = not stale
+    report.checks["the job it held ran again elsewhere"] = len(elsewhere) == len(held)
+    report.checks["the same process runs new jobs after SIGCONT"] = victim.alive and all(
+        a.records.get(i, {}).get("worker") == victim.name for i in follow
+    )
