@@ -69,6 +69,7 @@ def default_worker_id() -> str:
 class WorkerStats:
     claimed: int = 0
     completed: int = 0
+    failed: int = 0
     fenced: int = 0
     released: int = 0
     dead_lettered: int = 0
@@ -563,6 +564,7 @@ class Worker:
             log.warning("stopped without a result: claim %s", reason, extra=context)
         elif self._complete(held, outcome):
             self.stats.completed += 1
+            self.stats.failed += outcome.status != results.SUCCEEDED
             log.info("%s in %.2fs", outcome.status, time.time() - claim.claimed_at, extra=context)
         else:
             self.stats.fenced += 1
@@ -698,6 +700,7 @@ class Worker:
         record.state = self.state
         record.slots_busy = self.busy
         record.running = [h.claim.id for h in self._held.values()]
+        record.completed, record.failed = self.stats.completed, self.stats.failed
         record.memory = self._memory_figures()
         if self.on_heartbeat is not None:
             self.on_heartbeat(self)

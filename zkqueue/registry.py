@@ -30,6 +30,9 @@ class WorkerRecord:
     pid: int = field(default_factory=os.getpid)
     state: str = "starting"
     slots_busy: int = 0
+    #: Jobs this worker finished since it started, and how many of those did not succeed.
+    completed: int = 0
+    failed: int = 0
     running: list[str] = field(default_factory=list)
     #: Runner figures: model, device, dtype, weight_bytes...
     runner_info: dict[str, Any] = field(default_factory=dict)
