@@ -636,6 +636,43 @@ def janitor(ctx: click.Context, interval: float, result_ttl: float, once: bool) 
 
 
 @cli.command()
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Refresh, seconds.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (for pipes and scripts).")
+@click.pass_context
+@handles_errors
+def top(ctx: click.Context, interval: float, once: bool) -> None:
+    """Live view of queues, workers and recent results; q quits.
+
+    \b
+    Example:
+      zkq --zk zk1:2181 top --interval 1
+    """
+    from zkqueue.top import run_top
+
+    with _client(ctx) as client:
+        run_top(client, interval=interval, once=once)
+
+
+@cli.command()
+@click.option("--port", type=int, default=9464, show_default=True)
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.pass_context
+@handles_errors
+def metrics(ctx: click.Context, port: int, addr: str) -> None:
+    """Serve cluster-wide Prometheus gauges read from ZooKeeper (depth per queue and priority,
+    oldest pending age, workers per queue) until SIGTERM.
+
+    \b
+    Example:
+      zkq metrics --port 9464 &   curl -s localhost:9464/metrics | grep zkq_queue_depth
+    """
+    from zkqueue.exporter import run_exporter
+
+    with _client(ctx) as client:
+        run_exporter(client, port, addr)
+
+
+@cli.command()
 @click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
 def completion(shell: str) -> None:
     """Print the shell completion script.

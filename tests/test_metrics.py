@@ -1,0 +1,310 @@
+"""Prometheus metrics: a worker's own (zkqueue/metrics.py) and the cluster's, read from a real
+ZooKeeper on each scrape (zkqueue/exporter.py), including scrapes while ZooKeeper is away."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
+
+from tests.conftest import wait_for
+from workers.runners.echo import EchoRunner
+from zkqueue import Client
+from zkqueue.exporter import ClusterCollector, collect_once, read_cluster, serve_cluster_metrics
+from zkqueue.metrics import WorkerMetrics
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition, keyed by (name, labels)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(text: str, name: str, **labels: str) -> float | None:
+    return samples(text).get((name, frozenset(labels.items())))
+
+
+def exposition(metrics: WorkerMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+# -- a worker's metrics --------------------------------------------------------------------------
+
+
+def test_job_finished_counts_and_observes() -> None:
+    m = WorkerMetrics()
+    m.job_finished("default", "high", "succeeded", wait_s=0.3, run_s=1.5, tokens=12)
+    m.job_finished("default", "high", "failed", wait_s=0.2, run_s=0.1, tokens=None)
+    m.job_finished("default", "low", "expired", wait_s=None, run_s=None, tokens=None)
+    text = exposition(m)
+    jobs = "zkq_jobs_total"
+    assert value(text, jobs, queue="default", priority="high", status="succeeded") == 1
+    assert value(text, jobs, queue="default", priority="high", status="failed") == 1
+    assert value(text, jobs, queue="default", priority="low", status="expired") == 1
+    # Known statuses start at zero, so rate() sees the first one of a kind.
+    assert value(text, jobs, queue="default", priority="normal", status="dead") == 0
+    assert value(text, "zkq_queue_wait_seconds_count", queue="default", priority="high") == 2
+    assert value(text, "zkq_queue_wait_seconds_count", queue="default", priority="low") is None
+    wait_le = {"queue": "default", "priority": "high", "le": "0.25"}
+    assert value(text, "zkq_queue_wait_seconds_bucket", **wait_le) == 1
+    assert value(text, "zkq_run_seconds_sum", queue="default", priority="high") == 1.6
+    assert value(text, "zkq_tokens_generated_total", queue="default") == 12
+
+
+def test_gauges_and_counters_follow_the_calls() -> None:
+    m = WorkerMetrics()
+    m.batch("default", 5)
+    m.memory(total=8 * 2**30, free=5 * 2**30, reserved=2**30)
+    m.estimated_need("default", 3 * 2**20)
+    m.slots(busy=2, max=4)
+    m.lease_renewed(3)
+    m.lease_renewed(0)
+    m.claim_lost("lease")
+    m.connection("SUSPENDED")
+    text = exposition(m)
+    assert value(text, "zkq_batch_size_bucket", queue="default", le="4.0") == 0
+    assert value(text, "zkq_batch_size_bucket", queue="default", le="6.0") == 1
+    assert value(text, "zkq_memory_bytes", kind="total") == 8 * 2**30
+    assert value(text, "zkq_memory_bytes", kind="free") == 5 * 2**30
+    assert value(text, "zkq_memory_bytes", kind="reserved") == 2**30
+    need_le = {"queue": "default", "le": floatToGoString(2**22)}  # "4.194304e+06"
+    assert value(text, "zkq_job_memory_need_bytes_bucket", **need_le) == 1
+    assert value(text, "zkq_slots", state="busy") == 2
+    assert value(text, "zkq_slots", state="max") == 4
+    assert value(text, "zkq_lease_renewals_total") == 3
+    assert value(text, "zkq_claims_lost_total", reason="lease") == 1
+    assert value(text, "zkq_zookeeper_connected") == 0
+    assert value(text, "zkq_zookeeper_state", state="SUSPENDED") == 1
+    assert value(text, "zkq_zookeeper_state", state="CONNECTED") == 0
+    m.connection("CONNECTED")
+    text = exposition(m)
+    assert value(text, "zkq_zookeeper_connected") == 1
+    assert value(text, "zkq_zookeeper_state", state="SUSPENDED") == 0
+
+
+def test_workers_in_one_process_keep_their_own_registries() -> None:
+    first, second = WorkerMetrics(), WorkerMetrics()
+    first.lease_renewed(2)
+    assert value(exposition(first), "zkq_lease_renewals_total") == 2
+    assert value(exposition(second), "zkq_lease_renewals_total") == 0
+
+
+def test_serve_answers_http() -> None:
+    m = WorkerMetrics()
+    m.slots(busy=1, max=2)
+    server = m.serve(0, "127.0.0.1")
+    try:
+        text = fetch(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for name in ("zkq_jobs_total", "zkq_slots", "zkq_zookeeper_state", "zkq_run_seconds"):
+        assert name in text
+    assert value(text, "zkq_slots", state="max") == 2
+
+
+def fetch(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        body: bytes = answer.read()
+    return body.decode()
+
+
+# -- the cluster's metrics -----------------------------------------------------------------------
+
+
+def entry_ctime(client: Client, queue: str, priority: str, job_id: str) -> float:
+    name = client.find_entry(queue, priority, job_id)
+    assert name is not None
+    stat = client.zk.exists(client.layout.entry(queue, priority, name))
+    return float(stat.ctime) / 1000
+
+
+def test_cluster_metrics_describe_a_populated_root(client: Client, start_worker) -> None:
+    # A queue nobody serves: everything waits.
+    sizes = {"high": 2, "normal": 3, "low": 1}
+    backlog = {
+        p: client.submit_many(["x"] * n, priority=p, queue="backlog") for p, n in sizes.items()
+    }
+    # A queue with one worker, two slots, slow jobs and one malformed entry.
+    handle = start_worker(EchoRunner(delay=30), queue="gpu", slots=2)
+    text = collect_once(client)
+    assert value(text, "zkq_queue_idle_workers", queue="gpu") == 1
+    pending = client.layout.pending("gpu", "normal")
+    client.zk.create(f"{pending}/broken-", b"not json", sequence=True)
+    gpu = client.submit_many(["a", "b", "c"], queue="gpu")
+    wait_for(
+        lambda: (
+            client.stats()["queues"]["gpu"]["running"] == 2
+            and client.stats()["queues"]["gpu"]["dead"] == 1
+        ),
+        message="two running, one dead letter",
+    )
+    before = time.time()
+    text = collect_once(client)
+    after = time.time()
+
+    for priority, n in sizes.items():
+        assert value(text, "zkq_queue_depth", queue="backlog", priority=priority) == n
+    assert value(text, "zkq_queue_waiting", queue="backlog") == 6
+    assert value(text, "zkq_queue_running", queue="backlog") == 0
+    assert value(text, "zkq_workers", queue="backlog") == 0
+    age = value(text, "zkq_queue_oldest_pending_seconds", queue="backlog", priority="high")
+    first = entry_ctime(client, "backlog", "high", backlog["high"][0].id)
+    assert age is not None and before - first - 0.01 <= age <= after - first + 0.01
+
+    assert value(text, "zkq_queue_depth", queue="gpu", priority="normal") == 3
+    assert value(text, "zkq_queue_depth", queue="gpu", priority="high") == 0
+    assert value(text, "zkq_queue_waiting", queue="gpu") == 1
+    assert value(text, "zkq_queue_running", queue="gpu") == 2
+    assert value(text, "zkq_queue_dead", queue="gpu") == 1
+    assert value(text, "zkq_queue_idle_workers", queue="gpu") == 0
+    assert value(text, "zkq_workers", queue="gpu") == 1
+    # Nothing waits at high: age 0 rather than a missing series.
+    assert value(text, "zkq_queue_oldest_pending_seconds", queue="gpu", priority="high") == 0
+    assert value(text, "zkq_exporter_zookeeper_up") == 1
+    assert value(text, "zkq_exporter_scrape_errors_total") == 0
+
+    # The oldest *unclaimed* entry: the worker holds the first two jobs, the third waits.
+    state = read_cluster(client)
+    gpu_state = next(q for q in state.queues if q.name == "gpu")
+    assert gpu_state.oldest["normal"] == entry_ctime(client, "gpu", "normal", gpu[2].id)
+    assert [w["id"] for w in state.workers] == [handle.worker.id]
+
+
+def test_cluster_metrics_over_http(client: Client) -> None:
+    client.submit_many(["x"], queue="web", priority="low")
+    server = serve_cluster_metrics(client, 0, "127.0.0.1")
+    try:
+        text = fetch(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert value(text, "zkq_queue_depth", queue="web", priority="low") == 1
+
+
+def test_scrape_against_an_unreachable_zookeeper_counts_an_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    hosts = f"127.0.0.1:{port}"
+    nowhere = Client(hosts).settings.make_client()
+    nowhere.start_async()
+    try:
+        collector = ClusterCollector(Client(hosts, zk=nowhere))
+        list(collector.collect())
+        families = {m.name: m for m in collector.collect()}
+    finally:
+        nowhere.stop()
+        nowhere.close()
+    assert collector.errors == 2
+    assert families["zkq_exporter_scrape_errors"].samples[0].value == 2
+    assert families["zkq_exporter_zookeeper_up"].samples[0].value == 0
+    assert families["zkq_queue_depth"].samples == []
+
+
+class Relay:
+    """A TCP relay to ZooKeeper that can hold its traffic (a server that stops answering) or
+    drop every connection and refuse new ones (a server that went away), then come back."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.split(",")[0].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.conns: list[socket.socket] = []
+        self.listener = self._listen(0)
+        self.port = self.listener.getsockname()[1]
+
+    def _listen(self, port: int) -> socket.socket:
+        listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return listener
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.conns += [conn, upstream]
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+    def cut(self) -> None:
+        # shutdown() first: on Linux a close() alone wakes neither accept() nor recv().
+        for sock in [self.listener, *self.conns]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self.conns = []
+
+    def restore(self) -> None:
+        self.listener = self._listen(self.port)
+
+
+@pytest.fixture
+def relay(hosts: str) -> Iterator[Relay]:
+    r = Relay(hosts)
+    yield r
+    r.flowing.set()
+    r.cut()
+
+
+def test_scrapes_survive_zookeeper_going_away_and_coming_back(relay: Relay, root: str) -> None:
+    with Client(f"127.0.0.1:{relay.port}", root, session_timeout=4.0) as client:
+        client.submit_many(["x", "y"], queue="q")
+        collector = ClusterCollector(client, timeout=0.5)
+        families = {m.name: m for m in collector.collect()}
+        assert families["zkq_exporter_zookeeper_up"].samples[0].value == 1
+
+        relay.flowing.clear()  # the server stops answering: the scrape must not hang
+        started = time.monotonic()
+        families = {m.name: m for m in collector.collect()}
+        assert time.monotonic() - started < 3
+        assert collector.errors == 1
+        assert families["zkq_exporter_zookeeper_up"].samples[0].value == 0
+        relay.flowing.set()
+
+        relay.cut()  # the server goes away
+        wait_for(lambda: not client.zk.connected, message="the client to notice")
+        families = {m.name: m for m in collector.collect()}
+        assert collector.errors == 2
+        assert families["zkq_exporter_scrape_errors"].samples[0].value == 2
+
+        relay.restore()
+        wait_for(
+            lambda: value(generate(collector), "zkq_exporter_zookeeper_up") == 1,
+            message="scrapes to succeed again",
+        )
+        text = generate(collector)
+        assert value(text, "zkq_queue_waiting", queue="q") == 2
+        assert collector.errors >= 2
+        assert value(text, "zkq_exporter_scrape_errors_total") == collector.errors
+
+
+def generate(collector: ClusterCollector) -> str:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode()

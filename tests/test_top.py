@@ -1,0 +1,175 @@
+"""``zkq top``: the snapshot read from a real ZooKeeper, the rendered frame, throughput between
+two snapshots, and the live loop quitting on ``q`` from a pseudo-terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import pytest
+from rich.console import Console
+
+from tests.conftest import wait_for
+from workers.memory import StaticBudget
+from workers.runners.echo import EchoRunner
+from zkqueue import Client
+from zkqueue.exporter import ClusterState, QueueState
+from zkqueue.top import TopSnapshot, memory_bar, render, run_top, snapshot, throughput
+
+GIB = 2**30
+
+
+def text_of(renderable: Any) -> str:
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+@pytest.fixture
+def populated(client: Client, start_worker) -> dict[str, Any]:
+    """A queue served by a worker (five finished jobs, one running) and a backlog nobody serves."""
+    handle = start_worker(
+        EchoRunner(delay=0), queue="default", slots=2, memory=StaticBudget(8 * GIB, 3 * GIB)
+    )
+    done = client.submit_many([f"job {i}" for i in range(5)], queue="default")
+    wait_for(lambda: all(j.status() == "succeeded" for j in done), message="five results")
+    backlog = client.submit_many(["a", "b", "c"], queue="backlog", priority="high")
+    client.submit_many(["d"], queue="backlog", priority="low")
+    return {"worker": handle.worker.id, "done": done, "backlog": backlog}
+
+
+def test_snapshot_reads_queues_workers_and_recent_results(
+    client: Client, populated: dict[str, Any]
+) -> None:
+    snap = snapshot(client)
+    assert snap.errors == []
+    queues = {q.name: q for q in snap.cluster.queues}
+    assert set(queues) == {"backlog", "default"}
+    assert queues["backlog"].depth == {"high": 3, "normal": 0, "low": 1}
+    assert queues["backlog"].total_waiting == 4
+    assert set(queues["backlog"].oldest) == {"high", "low"}
+    assert queues["default"].total_depth == 0
+    assert queues["default"].results == 5
+    assert [w["id"] for w in snap.cluster.workers] == [populated["worker"]]
+    assert sorted(r.id for r in snap.recent) == sorted(j.id for j in populated["done"])
+    assert [r.finished for r in snap.recent] == sorted(
+        (r.finished for r in snap.recent), reverse=True
+    )
+    assert {(r.status, r.worker, r.queue) for r in snap.recent} == {
+        ("succeeded", populated["worker"], "default")
+    }
+    assert all(r.run_s is not None and r.run_s >= 0 for r in snap.recent)
+    assert snap.examined == 5
+
+
+def test_a_refresh_examines_only_new_results(client: Client, populated: dict[str, Any]) -> None:
+    first = snapshot(client, recent=3)
+    again = snapshot(client, first, recent=3)
+    assert again.examined == 0
+    assert again.recent == first.recent
+    newer = client.submit_many(["one more"], queue="default")
+    wait_for(lambda: newer[0].status() == "succeeded", message="one more result")
+    third = snapshot(client, again, recent=3)
+    assert third.examined == 1
+    assert third.recent[0].id == newer[0].id
+    assert third.recent[1:] == again.recent[:2]
+
+
+def test_render_shows_queues_workers_memory_and_results(
+    client: Client, populated: dict[str, Any]
+) -> None:
+    text = text_of(render(snapshot(client)))
+    for expected in ("queues", "backlog", "default", "workers", "recent results"):
+        assert expected in text
+    backlog_row = next(line for line in text.splitlines() if "backlog" in line)
+    cells = [cell.strip() for cell in backlog_row.split("│")]
+    assert cells[1:6] == ["backlog", "3", "0", "1", "4"]  # depth high, normal, low; waiting
+    worker_row = next(line for line in text.splitlines() if populated["worker"] in line)
+    assert "echo" in worker_row and "running" in worker_row and "0/2" in worker_row
+    assert "████░░░░░░░░ 3.0/8.0 GiB" in worker_row  # weights take 3 of 8 GiB
+    for job in populated["done"]:
+        assert job.id in text
+    assert "succeeded" in text
+
+
+def test_run_top_once_prints_one_frame(client: Client, populated: dict[str, Any]) -> None:
+    out = io.StringIO()
+    run_top(client, once=True, console=Console(file=out, width=160))
+    assert "backlog" in out.getvalue() and populated["worker"] in out.getvalue()
+
+
+def test_memory_bar() -> None:
+    assert memory_bar(None).plain == "-"
+    assert memory_bar({"total": 8 * GIB, "free": 2 * GIB}, width=8).plain == (
+        "██████░░ 6.0/8.0 GiB"
+    )
+    assert memory_bar({"total": 4 * GIB, "free": 4 * GIB}, width=4).plain == "░░░░ 0.0/4.0 GiB"
+
+
+def fake(workers: list[dict[str, Any]], at: float, queues: tuple[str, ...] = ("a", "b")) -> Any:
+    zero = {"high": 0, "normal": 0, "low": 0}
+    states = [QueueState(q, dict(zero), dict(zero), 0, 0, 0, 0) for q in queues]
+    return TopSnapshot("zk", "/zkq", ClusterState(states, workers), [], monotonic=at)
+
+
+def test_throughput_is_the_increase_of_completed_counters_per_second() -> None:
+    before = fake(
+        [
+            {"id": "w1", "queue": "a", "completed": 10},
+            {"id": "w2", "queue": "a", "completed": 5},
+            {"id": "w3", "queue": "b"},  # a worker from before the counters existed
+        ],
+        at=100.0,
+    )
+    after = fake(
+        [
+            {"id": "w1", "queue": "a", "completed": 30},
+            {"id": "w2", "queue": "a", "completed": 9},
+            {"id": "w3", "queue": "b"},
+            {"id": "w4", "queue": "b", "completed": 50},  # new: its history is not this window's
+        ],
+        at=104.0,
+    )
+    assert throughput(after, before) == {"a": 6.0, "b": 0.0}
+    assert throughput(after, None) == {"a": None, "b": None}
+    assert "6.00" in text_of(render(after, before))
+
+
+def test_throughput_from_real_snapshots(client: Client, populated: dict[str, Any]) -> None:
+    first = snapshot(client)
+    second = snapshot(client, first)
+    rates = throughput(second, first)
+    assert set(rates) == {"backlog", "default"}
+    assert all(r is not None and r >= 0 for r in rates.values())
+    later = dataclasses.replace(second, monotonic=first.monotonic)
+    assert throughput(later, first) == {"backlog": None, "default": None}
+
+
+@pytest.fixture
+def terminal() -> Iterator[tuple[int, TextIO]]:
+    """A pseudo-terminal: (the keyboard's end, the program's stdin)."""
+    keyboard, program = os.openpty()
+    stdin = os.fdopen(program, "r")
+    yield keyboard, stdin
+    stdin.close()
+    os.close(keyboard)
+
+
+def test_live_view_quits_on_q(client: Client, populated: dict[str, Any], terminal) -> None:
+    keyboard, stdin = terminal
+    out = io.StringIO()
+    console = Console(file=out, width=160, force_terminal=True)
+    view = threading.Thread(
+        target=run_top, args=(client, 0.05, console), kwargs={"keys": stdin}, daemon=True
+    )
+    view.start()
+    wait_for(lambda: out.getvalue().count("backlog") >= 2, message="two refreshes")
+    os.write(keyboard, b"x")  # another key only refreshes
+    os.write(keyboard, b"q")
+    view.join(10)
+    assert not view.is_alive()
+    assert populated["worker"] in out.getvalue()

@@ -1,0 +1,178 @@
+"""A worker's Prometheus metrics: what it ran, how long jobs waited and ran, its memory, slots,
+leases and ZooKeeper connection, served over HTTP for scraping (``zkq worker --metrics-port``).
+
+Each ``WorkerMetrics`` owns its own CollectorRegistry (not prometheus_client's global one), so
+several workers in one process, and tests, never collide. The methods are the worker loop's hooks;
+each is cheap and thread safe. Cluster-wide figures (queue depth, oldest pending job) come from
+``zkq metrics`` (zkqueue/exporter.py) instead, since no single worker sees the whole queue.
+"""
+
+from __future__ import annotations
+
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from zkqueue import defaults
+from zkqueue import result as results
+
+#: Seconds a job waited in the queue: a fraction of a second when workers are idle, up to hours
+#: in a backlog.
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+#: Seconds a job ran: from an echo job's milliseconds to a long generation's minutes.
+RUN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
+#: Jobs per batched generate call.
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: Estimated device memory per job: powers of two from 64 KiB to 64 GiB.
+MEMORY_BUCKETS = tuple(float(2**n) for n in range(16, 37))
+#: The connection states kazoo reports (kazoo.protocol.states.KazooState values).
+CONNECTION_STATES = ("CONNECTED", "SUSPENDED", "LOST")
+
+
+class WorkerMetrics:
+    """One worker's metrics, in a registry of its own. Call ``serve`` to expose them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = self.registry
+        self.jobs = Counter(
+            "zkq_jobs",
+            "Jobs this worker ended, by result status.",
+            ["queue", "priority", "status"],
+            registry=reg,
+        )
+        self.wait = Histogram(
+            "zkq_queue_wait_seconds",
+            "Seconds from submission to claim.",
+            ["queue", "priority"],
+            buckets=WAIT_BUCKETS,
+            registry=reg,
+        )
+        self.run = Histogram(
+            "zkq_run_seconds",
+            "Seconds from claim to end.",
+            ["queue", "priority"],
+            buckets=RUN_BUCKETS,
+            registry=reg,
+        )
+        self.tokens = Counter(
+            "zkq_tokens_generated", "Output tokens generated.", ["queue"], registry=reg
+        )
+        self.batch_size = Histogram(
+            "zkq_batch_size",
+            "Jobs per batch handed to the runner.",
+            ["queue"],
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        )
+        self.memory_bytes = Gauge(
+            "zkq_memory_bytes",
+            "Device memory: total, free for new jobs, reserved by running jobs.",
+            ["kind"],
+            registry=reg,
+        )
+        self.need = Histogram(
+            "zkq_job_memory_need_bytes",
+            "Estimated device memory of each admitted job.",
+            ["queue"],
+            buckets=MEMORY_BUCKETS,
+            registry=reg,
+        )
+        self.slot_gauge = Gauge(
+            "zkq_slots", "Slots busy and slots in all.", ["state"], registry=reg
+        )
+        self.renewals = Counter("zkq_lease_renewals", "Claim leases renewed.", registry=reg)
+        self.lost = Counter(
+            "zkq_claims_lost",
+            "Claims this worker lost before completing.",
+            ["reason"],
+            registry=reg,
+        )
+        self.connected = Gauge(
+            "zkq_zookeeper_connected", "1 while the ZooKeeper session is connected.", registry=reg
+        )
+        self.state = Gauge(
+            "zkq_zookeeper_state",
+            "1 for the current ZooKeeper connection state, 0 for the others.",
+            ["state"],
+            registry=reg,
+        )
+        self._queues: set[str] = set()
+        self.connection("LOST")
+
+    # -- the worker loop's hooks -------------------------------------------------------------
+
+    def job_finished(
+        self,
+        queue: str,
+        priority: str,
+        status: str,
+        wait_s: float | None,
+        run_s: float | None,
+        tokens: int | None,
+    ) -> None:
+        """A job ended with a result. ``wait_s``/``run_s`` are None for a job that never ran
+        (expired, rejected, dead-lettered): it is counted but left out of that histogram."""
+        self._know(queue)
+        self.jobs.labels(queue, priority, status).inc()
+        if wait_s is not None:
+            self.wait.labels(queue, priority).observe(max(0.0, wait_s))
+        if run_s is not None:
+            self.run.labels(queue, priority).observe(max(0.0, run_s))
+        if tokens:
+            self.tokens.labels(queue).inc(tokens)
+
+    def batch(self, queue: str, size: int) -> None:
+        """A batch of ``size`` jobs went to the runner."""
+        self.batch_size.labels(queue).observe(size)
+
+    def memory(self, total: int, free: int, reserved: int) -> None:
+        """The memory probe's latest reading, in bytes (see workers/memory.py)."""
+        self.memory_bytes.labels("total").set(total)
+        self.memory_bytes.labels("free").set(free)
+        self.memory_bytes.labels("reserved").set(reserved)
+
+    def estimated_need(self, queue: str, need: int) -> None:
+        """The admission estimate, in bytes, of a job this worker claimed."""
+        self.need.labels(queue).observe(need)
+
+    def slots(self, busy: int, max: int) -> None:
+        """Slots running a job now, and the worker's slots in all."""
+        self.slot_gauge.labels("busy").set(busy)
+        self.slot_gauge.labels("max").set(max)
+
+    def lease_renewed(self, n: int) -> None:
+        """``n`` leases were renewed in one round."""
+        if n > 0:
+            self.renewals.inc(n)
+
+    def claim_lost(self, reason: str) -> None:
+        """A claim went away under the worker: ``lease`` (reclaimed by the janitor), ``session``
+        (session lost) or ``fenced`` (the entry changed or the completion's check failed)."""
+        self.lost.labels(reason).inc()
+
+    def connection(self, state: str) -> None:
+        """The ZooKeeper connection changed state (a KazooState value, e.g. "SUSPENDED")."""
+        state = str(state).upper()
+        self.connected.set(1 if state == "CONNECTED" else 0)
+        for known in CONNECTION_STATES:
+            self.state.labels(known).set(1 if known == state else 0)
+
+    # -- exposing ----------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
+        """Serve /metrics on ``addr:port`` from a daemon thread (port 0: any free port, read it
+        back from ``server.server_port``). Stop it with ``server.shutdown()``."""
+        server, _thread = start_http_server(port, addr, registry=self.registry)
+        return server
+
+    def _know(self, queue: str) -> None:
+        """Create a queue's job counters at zero the first time it is seen, so that rate() and
+        increase() see the first failure of a kind instead of a series that starts at 1."""
+        if queue in self._queues:
+            return
+        self._queues.add(queue)
+        for priority in defaults.PRIORITIES:
+            for status in results.STATUSES:
+                self.jobs.labels(queue, priority, status)
+        self.tokens.labels(queue)
