@@ -210,5 +210,11 @@ def spawn_worker(
             proc.wait(10)
 
 
+def running_on(client: Client, job_id: str) -> str | None:
+    """The worker running the job, or None while it is not running."""
+    info = client.job(job_id).info()
+    return info.get("worker") if info["state"] == "running" else None
+
+
 def registered(client: Client, count: int) -> Callable[[], bool]:
     return lambda: len(client.workers()) >= count

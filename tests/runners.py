@@ -53,3 +53,15 @@ class GateRunner:
 
     def close(self) -> None:
         pass
+
+
+def generate_directly(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
+    """Plain ``model.generate`` on one prompt, decoded up to the first eos."""
+    enc = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(
+        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    new = out[0, enc["input_ids"].shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return str(tokenizer.decode(new, skip_special_tokens=True))

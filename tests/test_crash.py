@@ -6,22 +6,17 @@ import signal
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import running_on, wait_for
 from zkqueue import Client
 
 pytestmark = pytest.mark.slow
-
-
-def _running_on(client: Client, job_id: str) -> str | None:
-    info = client.job(job_id).info()
-    return info.get("worker") if info["state"] == "running" else None
 
 
 def test_kill_9_mid_job_reruns_elsewhere_with_one_result(client: Client, spawn_worker) -> None:
     doomed = spawn_worker("--runner", "echo", "--echo-delay", "60", "--name", "doomed")
     wait_for(lambda: client.workers(), message="first worker registered")
     job = client.submit("survive me", detach=True)
-    wait_for(lambda: _running_on(client, job.id) == "doomed", message="job running on doomed")
+    wait_for(lambda: running_on(client, job.id) == "doomed", message="job running on doomed")
 
     spawn_worker("--runner", "echo", "--name", "rescuer")
     doomed.send_signal(signal.SIGKILL)
@@ -40,7 +35,7 @@ def test_poison_job_is_dead_lettered_after_max_attempts(client: Client, spawn_wo
         victim = spawn_worker("--runner", "echo", "--echo-delay", "60", "--max-attempts", "2")
         wait_for(
             lambda a=attempt: (
-                client.job(job.id).info().get("attempts") == a and _running_on(client, job.id)
+                client.job(job.id).info().get("attempts") == a and running_on(client, job.id)
             ),
             timeout=20,
             message=f"attempt {attempt}",

@@ -8,23 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import running_on, wait_for
 from workers.systemd import Notifier
 from zkqueue import Client
 
 pytestmark = pytest.mark.slow
 
 
-def _running_on(client: Client, job_id: str) -> str | None:
-    info = client.job(job_id).info()
-    return info.get("worker") if info["state"] == "running" else None
-
-
 def test_sigterm_drains_the_running_job_then_exits_0(client: Client, spawn_worker) -> None:
     proc = spawn_worker("--runner", "echo", "--echo-delay", "2", "--name", "drainer")
     wait_for(lambda: client.workers(), message="worker registered")
     job = client.submit("finish me", detach=True)
-    wait_for(lambda: _running_on(client, job.id), message="job running")
+    wait_for(lambda: running_on(client, job.id), message="job running")
     proc.send_signal(signal.SIGTERM)
     wait_for(
         lambda: (
@@ -43,7 +38,7 @@ def test_second_sigterm_releases_at_once(client: Client, spawn_worker) -> None:
     proc = spawn_worker("--runner", "echo", "--echo-delay", "120", "--name", "leaver")
     wait_for(lambda: client.workers(), message="worker registered")
     job = client.submit("hand me over", detach=True)
-    wait_for(lambda: _running_on(client, job.id), message="job running")
+    wait_for(lambda: running_on(client, job.id), message="job running")
     proc.send_signal(signal.SIGTERM)
     wait_for(lambda: client.workers()[0]["state"] == "draining", message="draining")
     proc.send_signal(signal.SIGTERM)
@@ -58,7 +53,7 @@ def test_drain_timeout_releases_what_is_left(client: Client, spawn_worker) -> No
     proc = spawn_worker("--runner", "echo", "--echo-delay", "120", "--drain-timeout", "1")
     wait_for(lambda: client.workers(), message="worker registered")
     job = client.submit("too slow", detach=True)
-    wait_for(lambda: _running_on(client, job.id), message="job running")
+    wait_for(lambda: running_on(client, job.id), message="job running")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert job.status() == "pending"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.runners import generate_directly
 from workers.runners.base import Outcome, RunningJob
 from workers.runners.hf import BatchOutOfMemory, HFRunner
 from workers.tinymodel import CONTEXT_LENGTH, write_tiny_model
@@ -55,18 +56,6 @@ def job(prompt: str = "Hello", job_id: str = "job", **spec: Any) -> RunningJob:
         queue="default",
         attempts=1,
     )
-
-
-def generate_directly(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
-    """Plain ``model.generate`` on one prompt, decoded up to the first eos."""
-    enc = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )
-    new = out[0, enc["input_ids"].shape[1] :].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id)]
-    return str(tokenizer.decode(new, skip_special_tokens=True))
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:

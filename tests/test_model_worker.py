@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import wait_for
+from tests.runners import generate_directly
 from workers.daemon import memory_admission
 from workers.runners.base import Outcome, OutOfMemory, RunningJob
 from workers.runners.echo import EchoRunner
@@ -38,14 +39,7 @@ def runner(tiny_dir: Path) -> Iterator[HFRunner]:
 def direct_greedy(tiny_dir: Path, prompt: str, max_new_tokens: int) -> str:
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
-    enc = tok(prompt, return_tensors="pt")
-    out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
-    )
-    new = out[0, enc["input_ids"].shape[1] :].tolist()
-    if tok.eos_token_id in new:
-        new = new[: new.index(tok.eos_token_id)]
-    return str(tok.decode(new, skip_special_tokens=True))
+    return generate_directly(model, tok, prompt, max_new_tokens)
 
 
 class BatchLog:
