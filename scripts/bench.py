@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip", default="", help="comma-separated scenarios to leave out")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (override)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild results.md and the plots from OUT/results.json without running anything",
+    )
     return parser.parse_args(argv)
 
 
@@ -66,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     import bench_core
     import bench_report
 
+    if args.report_only:
+        return report(Path(args.out), not args.no_plots)
     scenarios = chosen(args)
     config = bench_core.Config.make(args.quick, scenarios)
     if args.reps is not None:
@@ -76,12 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     log(f"zkq bench: {'quick' if args.quick else 'full'} mode, scenarios {', '.join(scenarios)}")
     bench = bench_core.Bench(config, out)
     results: dict[str, Any] = {"meta": meta(args, config, bench)}
+    errors: dict[str, str] = {}
     try:
         for name in scenarios:
-            results[name] = run_scenario(name, bench)
+            try:
+                results[name] = run_scenario(name, bench)
+            except Exception:  # one failed scenario must not lose the others' figures
+                errors[name] = traceback.format_exc()
+                log(f"[{name}] FAILED:\n{errors[name]}")
     finally:
         bench.close()
+    results["errors"] = errors
     results["meta"]["wall_s"] = time.time() - started
+    results["meta"]["load_average_at_end"] = os.getloadavg()
     results["targets"] = bench_report.targets(results)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "results.md").write_text(bench_report.markdown(results))
@@ -90,6 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     log(f"done in {results['meta']['wall_s']:.0f} s: {out / 'results.md'}")
     for target in results["targets"]:
         log(f"  {'MET ' if target['met'] else 'MISS'} {target['name']}: {target['value']}")
+    return 1 if errors else 0
+
+
+def report(out: Path, with_plots: bool) -> int:
+    import bench_report
+
+    results = json.loads((out / "results.json").read_text())
+    results["targets"] = bench_report.targets(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "results.md").write_text(bench_report.markdown(results))
+    if with_plots:
+        bench_report.plots(results, out, log)
+    log(f"rebuilt {out / 'results.md'}")
     return 0
 
 
@@ -118,12 +146,11 @@ def run_scenario(name: str, bench: Any) -> Any:
 
 def meta(args: argparse.Namespace, config: Any, bench: Any) -> dict[str, Any]:
     from dataclasses import asdict
-
-    import kazoo
+    from importlib.metadata import version as package_version
 
     from zkqueue import defaults
 
-    version = bench.zk.command(b"srvr").splitlines()[0] if bench.zk.connected else ""
+    version = bench.zk.command(b"srvr").splitlines()[0].split(",")[0] if bench.zk.connected else ""
     return {
         "command": " ".join(["scripts/bench.py", *sys.argv[1:]]),
         "mode": "quick" if args.quick else "full",
@@ -131,9 +158,10 @@ def meta(args: argparse.Namespace, config: Any, bench: Any) -> dict[str, Any]:
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "kazoo": getattr(kazoo, "__version__", "?"),
+        "kazoo": package_version("kazoo"),
         "zookeeper": version,
         "default_worker_slots": defaults.WORKER_SLOTS,
+        "load_average_at_start": os.getloadavg(),
         "config": asdict(config),
     }
 

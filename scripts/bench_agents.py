@@ -69,6 +69,7 @@ class Agent:
         self.zk = KazooClient(hosts=hosts, timeout=10.0)
         self.zk.start(timeout=30)
         self.service: Service | None = None
+        self.go_at = 0.0
         self._runners: dict[str, Any] = {}
 
     def handle(self, command: str, kwargs: dict[str, Any]) -> tuple[str, Any]:
@@ -114,7 +115,22 @@ class Agent:
     def cmd_go(self) -> None:
         if self.service is None:
             raise RuntimeError("no service started")
+        self.go_at = time.perf_counter()
         self.service.go.set()
+
+    def cmd_wait_completed(self, n: int, limit: float) -> float | None:
+        """Seconds from ``go`` until this process's worker has completed ``n`` jobs (None after
+        ``limit`` seconds). Timed here, from the worker's own counter, so that nothing polls
+        ZooKeeper while it runs."""
+        service = self.service
+        if not isinstance(service, ZkqService):
+            raise RuntimeError("no zkq worker started")
+        deadline = time.perf_counter() + limit
+        while service.worker.stats.completed < n:
+            if time.perf_counter() > deadline:
+                return None
+            time.sleep(0.002)
+        return time.perf_counter() - self.go_at
 
     def cmd_stats(self, flush: bool = False) -> dict[str, Any]:
         out = process_stats(self.zk, flush)
@@ -175,7 +191,7 @@ class Agent:
         load = time.perf_counter() - start
         for batch in batches:
             bench_model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
-            bench_model_agent.direct_generate(model_dir, prompts, max_new_tokens, batch)
+        bench_model_agent.direct_generate(model_dir, prompts, max_new_tokens, max(batches))
         import torch
 
         return {
@@ -269,13 +285,14 @@ class ZkqService(Service):
                 t.add("head_turn", time.perf_counter() - start)
                 t.add("jobs_per_turn", float(w.stats.claimed - claimed_before[0]))
 
-        w._dispatch = timed_dispatch  # type: ignore[method-assign]
+        w._dispatch = timed_dispatch
         t.wrap(w.view, "refresh", "view_refresh")
         t.wrap(w, "_pick", "pick")
         t.wrap(w.claims, "claim", "claim_multi")
         t.wrap(w.claims, "complete", "complete_multi")
         t.wrap(w.line, "_ask_head", "ask_head")
         t.wrap(w, "_watch_entry", "watch_entry")
+        t.wrap(w, "_execute", "execute")
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="bench-loop", daemon=True)

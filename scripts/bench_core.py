@@ -8,7 +8,7 @@ import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ class Config:
     #: The library's default (zkqueue.defaults.MAX_NEW_TOKENS).
     max_new_tokens: int = 64
     scenarios: tuple[str, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def make(cls, quick: bool, scenarios: tuple[str, ...]) -> Config:
@@ -55,24 +54,25 @@ class Config:
             return cls(
                 quick=True,
                 reps=1,
-                dispatch_jobs=300,
+                dispatch_jobs=150,
                 lq_jobs=150,
-                redis_jobs=300,
+                redis_jobs=150,
                 latency_samples=60,
                 herd_jobs=8,
                 depth_claims=40,
                 depth_enqueues=40,
-                bulk_jobs=10000,
+                bulk_jobs=5000,
                 depths=(100, 5000),
+                max_new_tokens=32,
                 modes=("prefill", "stream"),
                 scenarios=scenarios,
             )
         return cls(
             quick=False,
             reps=3,
-            dispatch_jobs=1500,
-            lq_jobs=300,
-            redis_jobs=1500,
+            dispatch_jobs=600,
+            lq_jobs=600,
+            redis_jobs=600,
             latency_samples=300,
             herd_jobs=20,
             depth_claims=100,

@@ -5,12 +5,11 @@ against one with 1 slot, and two references without a queue in the same process:
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_core import QUEUE, AgentHandle, Bench, median, wait_until
+from bench_core import QUEUE, AgentHandle, Bench, median
 
 _WORDS = [
     "queue",
@@ -84,9 +83,12 @@ def _batching(
     )
     runs: dict[str, list[float]] = {f"worker_{s}_slots": [] for s in cfg.batch_slots}
     runs["direct_generate"], runs["direct_runner"] = [], []
+    timers: dict[str, list[dict[str, Any]]] = {f"worker_{s}_slots": [] for s in cfg.batch_slots}
     for _ in range(reps):
         for slots in cfg.batch_slots:
-            runs[f"worker_{slots}_slots"].append(_worker_run(bench, agent, model_dir, texts, slots))
+            elapsed, timed = _worker_run(bench, agent, model_dir, texts, slots)
+            runs[f"worker_{slots}_slots"].append(elapsed)
+            timers[f"worker_{slots}_slots"].append(timed)
         for kind, command in (
             ("direct_generate", "hf_direct"),
             ("direct_runner", "hf_runner_direct"),
@@ -104,13 +106,29 @@ def _batching(
     bench.drop_special(name)
     summary = _summary(runs, cfg.batch_jobs, cfg.batch_slots, cfg.max_new_tokens)
     summary["torch_threads"] = loaded["torch_threads"]
+    summary["worker_timers"] = timers
+    summary["queue_own_s"] = _queue_own(runs, timers, max(cfg.batch_slots))
+    summary["queue_own_vs_generate"] = summary["queue_own_s"] / median(runs["direct_generate"])
     return summary
+
+
+def _queue_own(
+    runs: dict[str, list[float]], timers: dict[str, list[dict[str, Any]]], slots: int
+) -> float:
+    """Median over repetitions of (wall time - time inside the runner) of the widest worker:
+    the queue's own share, whatever the runner's speed on that repetition."""
+    key = f"worker_{slots}_slots"
+    return median(
+        elapsed - t.get("execute", {}).get("total_s", 0.0)
+        for elapsed, t in zip(runs[key], timers[key], strict=True)
+    )
 
 
 def _worker_run(
     bench: Bench, agent: AgentHandle, model_dir: str, texts: list[str], slots: int
-) -> float:
-    """Seconds from go to the last result for a worker with ``slots`` slots, jobs pre-filled."""
+) -> tuple[float, dict[str, Any]]:
+    """Seconds from go to the last result for a worker with ``slots`` slots, jobs pre-filled,
+    and the worker's timers (time in the runner, in claim turns, in completions)."""
     root = bench.fresh_root(f"batch{slots}")
     client = bench.client(root)
     client.ensure_queue(QUEUE)
@@ -120,11 +138,11 @@ def _worker_run(
         [{"prompt": t, "max_new_tokens": max_new} for t in texts], queue=QUEUE, detach=True
     )
     results = client.layout.results(QUEUE)
-    start = time.perf_counter()
     agent.call("go")
-    wait_until(lambda: bench.children(results) >= len(texts), 300, 0.005)
-    elapsed = time.perf_counter() - start
-    agent.call("stop", timeout=120)
+    elapsed = agent.call("wait_completed", timeout=330, n=len(texts), limit=300)
+    if elapsed is None:
+        raise RuntimeError(f"the {slots}-slot worker did not finish {len(texts)} jobs in 300 s")
+    stopped = agent.call("stop", timeout=120)
     failed = [
         r
         for r in (client.job(j, QUEUE).result(timeout=5) for j in _ids(bench, results))
@@ -132,7 +150,7 @@ def _worker_run(
     ]
     if failed:
         raise RuntimeError(f"{len(failed)} model jobs failed, e.g. {failed[0].error}")
-    return elapsed
+    return elapsed, stopped.get("timers", {})
 
 
 def _ids(bench: Bench, results: str) -> list[str]:

@@ -132,9 +132,9 @@ class RedisQueue:
         if job is None:
             self.calls["wait"] += 1
             self.r.blpop([self.wake], timeout=block)
-        return job  # type: ignore[no-any-return]
+        return job
 
-    def complete(self, job: bytes, job_id: str, output: str) -> None:
+    def complete(self, job: Any, job_id: str, output: str) -> None:
         pipe = self.r.pipeline(transaction=True)
         pipe.set(f"{self.prefix}:result:{job_id}", json.dumps({"status": "ok", "output": output}))
         pipe.lrem(self.processing, 1, job)

@@ -31,17 +31,19 @@ def run_warmup(bench: Bench, log: Log) -> dict[str, Any]:
     spawn = time.perf_counter() - start
     root = bench.fresh_root("warmup")
     bench.zk.ensure_path(root)
-    async_create_rate(bench, root, 4000)
-    sync_create_latencies(bench, root, 300)
-    for _ in range(200):
+    scale = 1 if cfg.quick else 2
+    async_create_rate(bench, root, 2000 * scale)
+    sync_create_latencies(bench, root, 150 * scale)
+    for _ in range(100 * scale):
         bench.zk.get_children(root + "/x")
     client = bench.client(root)
-    client.submit_many([f"warm {i}" for i in range(300)], queue=QUEUE, detach=True)
+    jobs = 150 * scale
+    client.submit_many([f"warm {i}" for i in range(jobs)], queue=QUEUE, detach=True)
     agent = bench.agents(1)[0]
     agent.call("zkq_start", root=root, queue=QUEUE, slots=4)
     agent.call("go")
     results = client.layout.results(QUEUE)
-    wait_until(lambda: bench.children(results) >= 300, 30)
+    wait_until(lambda: bench.children(results) >= jobs, 30)
     agent.call("stop")
     log(f"  {need} agent processes started in {spawn:.1f} s; JIT warmed")
     return {"agents": need, "spawn_s": spawn, "warm_s": time.perf_counter() - start}
@@ -124,7 +126,7 @@ def run_latency(bench: Bench, log: Log) -> dict[str, Any]:
         notify.append(end - (record.finished_at or end))
         wait_until(lambda: bench.children(line) == 1, 5, 0.001)
     agent.call("stop")
-    out = {
+    out: dict[str, Any] = {
         "samples": len(jobs),
         "create_p50_ms": median(creates) * 1e3,
         "create_p99_ms": percentile(creates, 99) * 1e3,
@@ -347,7 +349,7 @@ def run_bulk(bench: Bench, log: Log) -> dict[str, Any]:
             else:
                 zkq.append(_submit_many_rate(bench, n))
         log(f"  rep {rep}: raw {raw[-1]:.0f} creates/s, submit_many {zkq[-1]:.0f} jobs/s")
-    out = {
+    out: dict[str, Any] = {
         "jobs": n,
         "raw_per_s": raw,
         "submit_many_per_s": zkq,
@@ -376,7 +378,8 @@ def run_profile(bench: Bench, log: Log) -> dict[str, Any]:
     submit_many and on one-at-a-time submits. Text reports go next to results.json."""
     files = {}
     n = bench.config.dispatch_jobs
-    for procs, slots in ((1, 1), (4, 1), (4, 4)):
+    shapes = ((1, 1), (4, 4)) if bench.config.quick else ((1, 1), (4, 1), (4, 4))
+    for procs, slots in shapes:
         name = f"profile-worker-{procs}x{slots}.txt"
         text, cpu = _profile_workers(bench, procs, slots, n)
         (bench.out / name).write_text(cpu + "\n\n" + text)

@@ -56,8 +56,8 @@ def install() -> None:
             _watches[key] += 1
         return read_watch(self, buffer, offset)
 
-    KazooClient._call = counting_call  # type: ignore[method-assign]
-    ConnectionHandler._read_watch_event = counting_watch  # type: ignore[method-assign]
+    KazooClient._call = counting_call
+    ConnectionHandler._read_watch_event = counting_watch
 
 
 def _path_kind(path: str) -> str:
@@ -134,14 +134,15 @@ def thread_cpu() -> dict[str, float]:
     """CPU seconds by thread role (kazoo I/O, kazoo callbacks, loop, executor...) and total.
     Threads that ended are only in the total."""
     tick = os.sysconf("SC_CLK_TCK")
-    roles: Counter[str] = Counter()
+    roles: dict[str, float] = {}
     for thread in threading.enumerate():
         try:
             with open(f"/proc/self/task/{thread.native_id}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        roles[_thread_role(thread.name)] += (int(fields[11]) + int(fields[12])) / tick
+        role = _thread_role(thread.name)
+        roles[role] = roles.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     times = os.times()
     return {**roles, "total": times.user + times.system}
 
@@ -155,11 +156,11 @@ class Timers:
     def __init__(self, cap: int = 20000) -> None:
         self.cap = cap
         self.samples: dict[str, list[float]] = {}
-        self.totals: Counter[str] = Counter()
+        self.totals: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
 
     def add(self, name: str, seconds: float) -> None:
-        self.totals[name] += seconds
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
         self.counts[name] += 1
         bucket = self.samples.setdefault(name, [])
         if len(bucket) < self.cap:
@@ -186,7 +187,7 @@ class Timers:
         return {
             name: {
                 "count": self.counts[name],
-                "total_s": self.totals[name],
+                "total_s": self.totals.get(name, 0.0),
                 "p50_ms": _median(self.samples.get(name, [])) * 1e3,
             }
             for name in self.counts
