@@ -197,18 +197,26 @@ class Job:
         zk = self.client.zk
         entry_path = self.entry_path
         # Read the entry before the result: complete() deletes the one and creates the other
-        # in a single transaction, so "no entry, then no result" means nothing will come.
-        entry_alive = entry_path is None or zk.exists(entry_path, watch=watch) is not None
-        if zk.exists(self.result_path, watch=watch) is not None:
-            data, _ = zk.get(self.result_path)
+        # in a single transaction, so "no entry, then no result" means nothing will come. The
+        # three reads are pipelined (one round trip): a session's requests run in order.
+        entry_call = zk.exists_async(entry_path, watch=watch) if entry_path else None
+        result_watch = zk.exists_async(self.result_path, watch=watch)
+        result_call = zk.get_async(self.result_path)
+        entry_alive = entry_call is None or entry_call.get() is not None
+        result_watch.get()
+        try:
+            data, _ = result_call.get()
             return Result.from_bytes(data)
+        except NoNodeError:
+            pass
         if not entry_alive:
             raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
         return None
 
     def _forget_result(self) -> None:
-        with contextlib.suppress(NoNodeError):
-            self.client.zk.delete(self.result_path)
+        """Remove an attached result once read; nobody waits for the answer (a failure only
+        leaves it for the janitor's retention)."""
+        self.client.zk.delete_async(self.result_path)
 
     def _locate(self) -> None:
         """Find the entry name by scanning the priority's children (only for bare ids)."""
