@@ -85,6 +85,8 @@ class _Held:
     job: RunningJob
     #: Partial output last written to the claim (streaming jobs).
     published: str = ""
+    #: Whether the watch on its entry is set (connection trouble can prevent it; see _sweep).
+    watched: bool = False
 
 
 @dataclass
@@ -159,6 +161,8 @@ class Worker:
         self._executor = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="zkq-run")
         self._suspended = False
         self._lost = False
+        #: A call failed with the connection, so what it wrote may exist unseen (see _sweep).
+        self._unsure = False
         self._drain_deadline: float | None = None
         self._release_deadline: float | None = None
         self._next_heartbeat = 0.0
@@ -215,13 +219,17 @@ class Worker:
         self._events.put(event)
 
     def _step(self) -> bool:
+        # Events touch ZooKeeper too (a finished batch completes its jobs, a lost session
+        # registers again): trouble there must suspend the loop like trouble in dispatch, never
+        # end it. What failed is retried after the reconnect (completions stay queued).
         try:
             self._retry_completions()
             self._dispatch()
+            self._wait_events()
         except _ZK_TROUBLE as exc:
-            log.warning("ZooKeeper trouble during dispatch: %s", type(exc).__name__)
+            log.warning("ZooKeeper trouble, waiting for the connection: %s", type(exc).__name__)
             self._suspended = True
-        self._wait_events()
+            self._unsure = True
         self._maybe_heartbeat()
         self._maybe_renew()
         self._maybe_publish()
@@ -283,7 +291,11 @@ class Worker:
         return free
 
     def _dispatch(self) -> None:
-        if self.state != RUNNING or self._suspended or self._lost:
+        if self._suspended or self._lost:
+            return
+        if self._unsure:
+            self._sweep()
+        if self.state != RUNNING:
             return
         free = self._free_slots()
         if free <= 0:
@@ -308,6 +320,20 @@ class Worker:
         # a release or crash makes them claimable again and only the claims watch will say so.
         self.view.claimed.update(c.entry.name for c in picked)
         self._start(claimed, sum(c.need for c in picked))
+
+    def _sweep(self) -> None:
+        """A call failed with the connection: what it wrote may have committed unseen. Remove
+        this session's claims and line places the loop does not know about, and set the entry
+        watches that could not be set."""
+        stray = self.claims.sweep(self.line, set(self._held))
+        for held in list(self._held.values()):
+            if not held.watched:
+                self._watch_entry(held)
+        self._unsure = False
+        if stray:
+            log.warning("removed %d node(s) left by replies lost with the connection", len(stray))
+            self.line.invalidate()
+            self.view.invalidate()
 
     def _pick(self, free: int) -> list[Candidate]:
         picked: list[Candidate] = []
@@ -336,6 +362,11 @@ class Worker:
         self, priority: str, entry: EntryName, data: bytes, stat: Any, picked: list[JobSpec]
     ) -> Candidate | None:
         """A candidate if this worker should claim the entry now; otherwise deal with it."""
+        if stat.numChildren:
+            # Not a job znode: its completion's delete could never succeed (NotEmpty).
+            reason = f"entry has {stat.numChildren} child node(s); a job entry has none"
+            self._letter(priority, entry.name, data, stat, reason, entry.job_id)
+            return None
         try:
             spec = JobSpec.from_bytes(data)
         except InvalidJob as exc:
@@ -467,8 +498,6 @@ class Worker:
         ]
         for h in held:
             self._held[h.claim.entry.name] = h
-        for h in held:
-            self._watch_entry(h)
         for start in range(0, len(held), self.max_batch):
             part = held[start : start + self.max_batch]
             batch = _Batch(part, need * len(part) // len(held))
@@ -477,6 +506,10 @@ class Worker:
             self._executor.submit(self._execute, batch)
         for h in held:
             log.info("claimed (attempt %d)", h.claim.token, extra=self._context(h))
+        # Watch after the jobs are running: connection trouble here must not leave claimed jobs
+        # that never run (the sweep after the reconnect sets the watches that are missing).
+        for h in held:
+            self._watch_entry(h)
 
     def _watch_entry(self, held: _Held) -> None:
         name = held.claim.entry.name
@@ -486,6 +519,7 @@ class Worker:
 
         path = self.claims.entry_path(held.claim.priority, held.claim.entry)
         stat = self.zk.exists(path, watch=watch)
+        held.watched = True
         if stat is None:
             held.job.cancel("cancelled")
         elif stat.version != held.claim.token:
@@ -750,6 +784,7 @@ class Worker:
             self.line.leave()
         except _ZK_TROUBLE:
             self.line.forget()
+            self._unsure = True  # the node may still be there: the next sweep removes it
 
     def _shutdown(self) -> None:
         self.state = STOPPED

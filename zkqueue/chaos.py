@@ -45,8 +45,8 @@ from zkqueue.connection import ConnectionSettings, close, connect
 from zkqueue.errors import JobWithdrawn, ZkqError
 from zkqueue.janitor import JanitorService
 from zkqueue.job import Job
-from zkqueue.layout import Layout
-from zkqueue.zkserver import ZkCluster
+from zkqueue.layout import Layout, child
+from zkqueue.zkserver import ZkCluster, ZkServer
 
 QUEUE = defaults.QUEUE
 _REPO = Path(__file__).resolve().parents[1]
@@ -115,6 +115,8 @@ class ChaosReport:
                 out.append(f"{name}={getattr(self, name)}")
         if self.exactly_once + self.withdrawn != self.jobs:
             out.append(f"exactly_once={self.exactly_once} of {self.jobs} jobs")
+        if not self.jobs:
+            out.append("no jobs were submitted")
         return out
 
     def summary(self) -> str:
@@ -133,7 +135,7 @@ class ChaosReport:
 # -- bounded waits ---------------------------------------------------------------------------
 
 
-def poll(condition: Callable[[], T], timeout: float, interval: float = _POLL) -> T | None:
+def poll(condition: Callable[[], T | None], timeout: float, interval: float = _POLL) -> T | None:
     """Call ``condition`` until it returns something truthy (returned) or ``timeout`` passes
     (None). ZooKeeper being away while we poll counts as "not yet"."""
     deadline = time.monotonic() + timeout
@@ -149,7 +151,7 @@ def poll(condition: Callable[[], T], timeout: float, interval: float = _POLL) ->
         time.sleep(interval)
 
 
-def need(condition: Callable[[], T], timeout: float, what: str) -> T:
+def need(condition: Callable[[], T | None], timeout: float, what: str) -> T:
     """Like poll, but a timeout is a setup failure of the scenario."""
     value = poll(condition, timeout)
     if not value:
@@ -366,7 +368,7 @@ class Stage:
     def claims_by_worker(self) -> dict[str, set[str]]:
         """Job ids currently claimed, per worker name (from the claim nodes' data)."""
         path = self.layout.claims(QUEUE)
-        calls = [(n, self.zk.get_async(f"{path}/{n}")) for n in self.zk.get_children(path)]
+        calls = [(n, self.zk.get_async(child(path, n))) for n in self.zk.get_children(path)]
         out: dict[str, set[str]] = {}
         for name, call in calls:
             with contextlib.suppress(NoNodeError):
@@ -438,6 +440,12 @@ class Feeder:
         return self.done
 
     def _run(self) -> None:
+        try:
+            self._feed()
+        except Exception as exc:  # reported: the scenario's audit then misses these jobs
+            self.errors.append(f"feeder stopped: {type(exc).__name__}: {exc}")
+
+    def _feed(self) -> None:
         with Client(self.hosts, self.root, session_timeout=self.session_timeout) as client:
             start = time.monotonic()
             for i in range(self.total):
@@ -597,7 +605,7 @@ def _read_results(
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float], int, int]:
     path = layout.results(QUEUE)
     names, stat = zk.get_children(path, include_data=True)
-    calls = [(n, zk.get_async(f"{path}/{n}")) for n in names]
+    calls = [(n, zk.get_async(layout.result(QUEUE, n))) for n in names]
     records: dict[str, dict[str, Any]] = {}
     ctimes: dict[str, float] = {}
     rewritten = 0
@@ -677,8 +685,9 @@ class InProcessWorker:
         return self
 
     def stop(self) -> None:
-        self.worker.stop(drain=False)
-        self._thread.join(15)
+        if self._thread.is_alive():
+            self.worker.stop(drain=False)
+            self._thread.join(15)
         close(self.zk)
 
 
@@ -727,6 +736,13 @@ def _registered_since(st: Stage, name: str, t: float) -> float | None:
     return float(stat.ctime) / 1000
 
 
+def _sessions_kept(st: Stage, fleet: list[WorkerProcess], t_fault: float) -> str:
+    """How many workers still hold the registration they made before the fault (their
+    session survived it), as "k of n"."""
+    kept = [w for w in fleet if (_registered_since(st, w.name, 0) or t_fault) < t_fault]
+    return f"{len(kept)} of {len(fleet)}"
+
+
 def _served_after(a: Audit, worker: str, t: float) -> int:
     return sum(
         1 for i, r in a.records.items() if r.get("worker") == worker and a.ctimes.get(i, 0) > t
@@ -753,7 +769,7 @@ def kill_workers(
     report = ChaosReport(
         "kill-9",
         f"kill -9 of {kills} of {workers} echo workers ({slots} slots, {delay:g}s jobs) mid-job "
-        f"under steady load; {kills} replacements started",
+        f"under steady load; {kills} replacement(s) started",
         recovery="from the kill until the last job the killed workers held had its result "
         "(ZooKeeper frees their claims when their sessions expire)",
     )
@@ -769,7 +785,8 @@ def kill_workers(
         a = st.audit(_expect(feeder.ids))
         a.fill(report)
         report.workers = workers + kills
-        report.recovery_s = a.last_of(doomed, t_kill)
+        rerun = [i for i in doomed if a.ctimes.get(i, 0) > t_kill]  # not finished before it
+        report.recovery_s = a.last_of(rerun, t_kill)
         _kill_checks(report, a, st, fleet, victims, spares, doomed, t_kill)
         report.details["submit_errors"] = feeder.errors
         return st.finish(report, started)
@@ -894,3 +911,394 @@ def _stop_checks(
     report.checks["the same process runs new jobs after SIGCONT"] = victim.alive and all(
         a.records.get(i, {}).get("worker") == victim.name for i in follow
     )
+
+
+# -- (c) the ZooKeeper server stops and comes back ------------------------------------------
+
+
+def zookeeper_restart(
+    jobs: int = 30,
+    workers: int = 3,
+    *,
+    outage: float = 15.0,
+    delay: float = 0.5,
+    slots: int = 2,
+    attached: int = 3,
+    session_timeout: float = 3.0,
+) -> ChaosReport:
+    """Stop the (standalone) ZooKeeper server for ``outage`` seconds while jobs run and
+    attached producers wait on their results, then start it again on the same data dir and
+    port. Nobody is restarted: the workers and the producers must carry on by themselves."""
+    started = time.monotonic()
+    report = ChaosReport(
+        "zk-restart",
+        f"standalone ZooKeeper stopped for {outage:g}s mid-load (session timeout "
+        f"{session_timeout:g}s), restarted on the same data dir and port",
+        recovery="from the server restart until the first result committed after it",
+    )
+    with Stage("zkrestart", session_timeout=session_timeout) as st:
+        assert st.cluster is not None
+        server = st.cluster.servers[0]
+        fleet = _spawn_fleet(st, "w", workers, delay=delay, slots=slots)
+        pids = [w.pid for w in fleet]
+        before = [st.client.submit(f"before {i}", detach=True).id for i in range(jobs // 2)]
+        waiters = [Waiter(st.client, f"attached {i}", outage + 60).start() for i in range(attached)]
+        need(lambda: all(w.job for w in waiters) and st.claims_by_worker(), 30, "jobs running")
+        t_stop = time.time()
+        server.stop()
+        hold(
+            outage, lambda: st.all_alive(fleet), "a worker process exited while ZooKeeper was down"
+        )
+        t_restart = time.time()
+        server.start()
+        server.wait_serving(60)
+        serving = time.time() - t_restart
+        after = [st.client.submit(f"after {i}", detach=True).id for i in range(jobs - len(before))]
+        drained = st.drained([*before, *after], session_timeout * 4 + 60)
+        for w in waiters:
+            w.join(30)
+        a = _audit_with_waiters(st, [*before, *after], waiters)
+        a.fill(report)
+        report.workers = workers
+        report.recovery_s = a.first_after(t_restart)
+        report.details.update(serving_s=round(serving, 2), drained=drained, outage_s=outage)
+        report.details["drain_s"] = a.last_of(after, t_restart)
+        _restart_checks(report, a, st, fleet, pids, waiters, t_stop, t_restart)
+        return st.finish(report, started)
+
+
+def _audit_with_waiters(st: Stage, detached: list[str], waiters: list[Waiter]) -> Audit:
+    ids = [*detached, *(w.job.id for w in waiters if w.job)]
+    received = {w.job.id: w.record for w in waiters if w.job and w.record}
+    withdrawn = [w.job.id for w in waiters if w.job and w.withdrawn]
+    return st.audit(_expect(ids), received, withdrawn)
+
+
+def _restart_checks(
+    report: ChaosReport,
+    a: Audit,
+    st: Stage,
+    fleet: list[WorkerProcess],
+    pids: list[int],
+    waiters: list[Waiter],
+    t_stop: float,
+    t_restart: float,
+) -> None:
+    report.details["sessions_kept"] = _sessions_kept(st, fleet, t_stop)
+    report.details["waiter_errors"] = [w.error for w in waiters if w.error]
+    report.checks["worker processes alive, never restarted"] = (
+        st.all_alive(fleet) and [w.pid for w in fleet] == pids
+    )
+    report.checks["every worker completed jobs after the restart"] = all(
+        _served_after(a, w.name, t_restart) for w in fleet
+    )
+    report.checks["attached producers got their results"] = all(w.record for w in waiters)
+
+
+# -- (d) ensemble failover -------------------------------------------------------------------
+
+
+def ensemble_failover(
+    jobs: int = 60,
+    workers: int = 3,
+    *,
+    delay: float = 0.3,
+    slots: int = 2,
+    quorum_outage: float = 3.0,
+    session_timeout: float = 4.0,
+) -> ChaosReport:
+    """A 3-server ensemble under a steady load: kill -9 the leader (the other two elect a new
+    one), then a follower (one server left: no quorum, nothing can be written), hold that for
+    ``quorum_outage`` seconds, then start both again. Workers and the producer know all three
+    servers and are never restarted."""
+    started = time.monotonic()
+    report = ChaosReport(
+        "ensemble",
+        f"3-server ensemble under steady load: kill -9 of the leader, then of a follower "
+        f"(no quorum for {quorum_outage:g}s), then both restarted",
+        recovery="from restarting the two killed servers until the first result committed "
+        "after it (quorum back)",
+    )
+    with Stage("ensemble", servers=3, session_timeout=session_timeout) as st:
+        assert st.cluster is not None
+        fleet = _spawn_fleet(st, "w", workers, delay=delay, slots=slots)
+        pids = [w.pid for w in fleet]
+        feeder = _feed(st, jobs, workers * slots / delay * 0.5)
+        need(lambda: len(st.result_ids()) >= 3, 30, "results flowing")
+        t_leader, killed = _kill_leader_then_follower(st, fleet, feeder, quorum_outage)
+        t_restart = time.time()
+        for server in killed:
+            server.start()
+        for server in killed:
+            server.wait_serving(60)
+        feeder.resume()
+        _drain(st, feeder, session_timeout * 4 + 30)
+        a = st.audit(_expect(feeder.ids))
+        a.fill(report)
+        report.workers = workers
+        report.recovery_s = a.first_after(t_restart)
+        report.details.update(
+            failover_s=a.first_after(t_leader),
+            drain_s=a.last_of(feeder.ids, t_restart),
+            submit_errors=feeder.errors,
+            leader_after=next((s.myid for s in st.cluster.servers if s.mode() == "leader"), None),
+            sessions_kept=_sessions_kept(st, fleet, t_leader),
+        )
+        report.checks["worker processes alive, never restarted"] = (
+            st.all_alive(fleet) and [w.pid for w in fleet] == pids
+        )
+        report.checks["the producer never saw an error"] = not feeder.errors
+        report.checks["jobs completed between the leader's and the follower's death"] = (
+            report.details["failover_s"] is not None
+        )
+        return st.finish(report, started)
+
+
+def _kill_leader_then_follower(
+    st: Stage, fleet: list[WorkerProcess], feeder: Feeder, quorum_outage: float
+) -> tuple[float, list[ZkServer]]:
+    """kill -9 the leader; once the other two serve again and a job completed, kill -9 a
+    follower and hold the quorum loss. Returns the leader's kill time and the killed servers."""
+    assert st.cluster is not None
+    cluster = st.cluster
+    leader = need(cluster.leader, 30, "a leader")
+    t_leader = time.time()
+    leader.kill()
+    need(cluster.leader, 30, "a new leader")
+    done = len(st.result_ids())
+    need(lambda: len(st.result_ids()) > done, 30, "a result after the leader died")
+    follower = need(cluster.followers, 30, "a follower")[0]
+    feeder.pause()  # a create in flight at the kill would fail ambiguously (see RELIABILITY.md)
+    follower.kill()
+    hold(quorum_outage, lambda: st.all_alive(fleet), "a worker exited while there was no quorum")
+    return t_leader, [leader, follower]
+
+
+# -- (e) a hung worker -----------------------------------------------------------------------
+
+
+def hung_worker(
+    jobs: int = 10,
+    workers: int = 2,
+    *,
+    lease: float = 1.0,
+    janitor_interval: float = 0.2,
+    delay: float = 0.2,
+    session_timeout: float = 3.0,
+    hosts: str | None = None,
+) -> ChaosReport:
+    """A worker whose runner hangs (its session stays alive, kazoo keeps pinging) holds the
+    first job. Only the lease can free it: the worker stops renewing without progress, the
+    elected janitor deletes the lapsed claim, a healthy worker runs the job, and when the hung
+    runner finally returns its completion is refused (fenced by the entry's version)."""
+    started = time.monotonic()
+    report = ChaosReport(
+        "hung",
+        f"a worker's runner hangs mid-job with its session alive (lease {lease:g}s, janitor "
+        f"every {janitor_interval:g}s); {workers} healthy worker(s)",
+        recovery="from the hung worker's claim until another worker's result for that job "
+        "(lease + a janitor pass + the run)",
+    )
+    with Stage("hung", hosts=hosts, session_timeout=session_timeout) as st:
+        runner = HungRunner()
+        hung = InProcessWorker(st, runner, "hung", lease=lease)
+        st.on_close(hung.stop)
+        st.on_close(runner.release.set)
+        hung.start()
+        start_janitor(st, janitor_interval)
+        first = st.client.submit("hang on me", detach=True)
+        need(runner.started.is_set, 15, "the hung worker running the first job")
+        t_claim = _claim_time(st, first)
+        _spawn_fleet(st, "w", workers, delay=delay, slots=1, extra=["--no-janitor"])
+        rest = [st.client.submit(f"job {i}", detach=True).id for i in range(jobs - 1)]
+        st.drained([first.id, *rest], lease * 4 + jobs * delay + 30)
+        runner.release.set()
+        poll(lambda: hung.worker.busy == 0, 15)
+        a = st.audit(_expect([first.id, *rest]))
+        a.fill(report)
+        report.workers = workers + 1
+        report.recovery_s = a.last_of([first.id], t_claim)
+        _hung_checks(report, a, hung, first.id)
+        return st.finish(report, started)
+
+
+def _claim_time(st: Stage, job: Job) -> float:
+    stat = st.zk.exists(st.layout.claim(QUEUE, job.entry or ""))
+    return time.time() if stat is None else stat.ctime / 1000
+
+
+def _hung_checks(report: ChaosReport, a: Audit, hung: InProcessWorker, job_id: str) -> None:
+    record = a.records.get(job_id, {})
+    stats = hung.worker.stats
+    report.details.update(
+        hung_job_worker=record.get("worker"),
+        hung_job_attempts=record.get("attempts"),
+        hung_stats={"completed": stats.completed, "fenced": stats.fenced},
+    )
+    report.checks["the hung job was reclaimed and finished elsewhere"] = (
+        record.get("worker") not in (None, "hung") and record.get("attempts") == 2
+    )
+    report.checks["the hung worker wrote no result"] = not a.by_worker("hung")
+    report.checks["its late completion was refused (fenced)"] = stats.fenced == 1
+    report.checks["the hung worker's loop survived"] = hung.error is None
+
+
+# -- (f) garbage entries ---------------------------------------------------------------------
+
+#: Entries any client could write, each under a valid name ``<kind><n>-<seq>``: each must be
+#: dead-lettered with the reason and end with a ``dead`` result for its id.
+BAD_DATA: tuple[tuple[str, bytes], ...] = (
+    ("badjson", b"{not json"),
+    ("notutf8", b"\xff\xfe\x00garbage"),
+    ("empty", b""),
+    ("nullspec", b"null"),
+    ("notobject", b"[1, 2, 3]"),
+    ("wrongtype", b'{"prompt": ["a list"]}'),
+    ("noprompt", b'{"max_new_tokens": 4}'),
+    ("blank", b'{"prompt": "   "}'),
+    ("textnumber", b'{"prompt": "x", "max_new_tokens": "ten"}'),
+    ("boolnumber", b'{"prompt": "x", "max_new_tokens": true}'),
+    ("hugenumber", b'{"prompt": "x", "max_new_tokens": 1e400}'),
+    ("nan", b'{"prompt": "x", "temperature": NaN}'),
+    ("unknown", b'{"prompt": "x", "gpu": "please"}'),
+    ("version", b'{"v": 2, "prompt": "x"}'),
+    ("deep", b"[" * 50_000),
+    ("oversize", b'{"prompt": "' + b"x" * 70_000 + b'"}'),
+)
+#: Entry names that are not ``<id>-<sequence>`` (prefix, sequential): dead-lettered with the
+#: reason; no result, since there is no id to key it by.
+BAD_NAMES: tuple[tuple[str, bool], ...] = (
+    ("no_sequence_here{n}", False),
+    ("bad-name{n}-", True),
+    ("\u00fcn\u00efcode{n}-", True),
+    ("-", True),
+    ("x" * 70 + "{n}-", True),
+)
+
+
+def garbage_entries(
+    jobs: int = 20,
+    workers: int = 2,
+    *,
+    delay: float = 0.05,
+    slots: int = 2,
+    session_timeout: float = 3.0,
+    hosts: str | None = None,
+) -> ChaosReport:
+    """Malformed entries (bad JSON, not UTF-8, wrong types, oversize, bad names) interleaved
+    with good jobs at every priority while workers run, then an entry that reuses the id of a
+    finished job. The workers must live, letter each bad entry once with its reason, and run
+    every good job; the reused id must not get a second result."""
+    started = time.monotonic()
+    report = ChaosReport(
+        "garbage",
+        f"{len(BAD_DATA)} kinds of malformed spec, {len(BAD_NAMES)} kinds of bad name, an "
+        "entry with a child node and a reused job id, interleaved with good jobs",
+        recovery="n/a: nothing stops; each entry is handled as it comes",
+    )
+    with Stage("garbage", hosts=hosts, session_timeout=session_timeout) as st:
+        fleet = _spawn_fleet(st, "w", workers, delay=delay, slots=slots)
+        expected, letters = _interleave(st, jobs)
+        good = [i for i, s in expected.items() if s == results.SUCCEEDED]
+        st.drained(good, jobs * delay + 30)
+        reused = _reuse_id(st, good[0])
+        letters.append(reused)
+        poll(lambda: set(letters) <= _dead_names(st), 30)
+        a = st.audit(expected)
+        a.fill(report)
+        report.workers = workers
+        report.details.update(good_jobs=len(good), garbage_entries=len(letters))
+        _garbage_checks(report, a, st, fleet, letters, good[0])
+        return st.finish(report, started)
+
+
+def _interleave(st: Stage, jobs: int) -> tuple[dict[str, str], list[str]]:
+    """Write good jobs and garbage alternately, at rotating priorities; returns the expected
+    status per job id and the names of the garbage entries."""
+    expected: dict[str, str] = {}
+    letters: list[str] = []
+    kinds = len(BAD_DATA) + len(BAD_NAMES)
+    for n in range(max(jobs, kinds)):
+        priority = defaults.PRIORITIES[n % 3]
+        if n < jobs:
+            expected[st.client.submit(f"good {n}", priority=priority, detach=True).id] = "succeeded"
+        name, job_id = _write_garbage(st, n % kinds, n, priority)
+        letters.append(name)
+        if job_id is not None:
+            expected[job_id] = results.DEAD
+    name = _write_nested(st, jobs)
+    letters.append(name)
+    expected[name.split("-", 1)[0]] = results.DEAD
+    return expected, letters
+
+
+def _write_garbage(st: Stage, kind: int, n: int, priority: str) -> tuple[str, str | None]:
+    """Create one bad entry; returns its node name and its job id (None for a bad name)."""
+    if kind < len(BAD_DATA):
+        label, data = BAD_DATA[kind]
+        path = st.zk.create(
+            st.layout.entry_prefix(QUEUE, priority, f"{label}{n}"), data, sequence=True
+        )
+        return path.rsplit("/", 1)[1], f"{label}{n}"
+    pattern, sequential = BAD_NAMES[kind - len(BAD_DATA)]
+    path = st.layout.entry(QUEUE, priority, pattern.format(n=n))
+    path = st.zk.create(path, b'{"prompt": "x"}', sequence=sequential)
+    return path.rsplit("/", 1)[1], None
+
+
+def _write_nested(st: Stage, n: int) -> str:
+    """A valid spec with a node hung under it (created in one multi, so no worker can take
+    the entry before its child exists). Its completion could never delete it."""
+    name = f"haschild{n}-{9_000_000_000 + n:010d}"
+    path = st.layout.entry(QUEUE, "low", name)
+    txn = st.zk.transaction()
+    txn.create(path, b'{"prompt": "x"}')
+    txn.create(child(path, "kid"), b"")
+    txn.commit()
+    return name
+
+
+def _reuse_id(st: Stage, job_id: str) -> str:
+    """A hand-made entry reusing the id of a job that already has its result."""
+    prefix = st.layout.entry_prefix(QUEUE, "normal", job_id)
+    path = st.zk.create(prefix, b'{"prompt": "second answer?"}', sequence=True)
+    return path.rsplit("/", 1)[1]
+
+
+def _dead_names(st: Stage) -> set[str]:
+    return set(st.zk.get_children(st.layout.dead(QUEUE)))
+
+
+def _garbage_checks(
+    report: ChaosReport,
+    a: Audit,
+    st: Stage,
+    fleet: list[WorkerProcess],
+    letters: list[str],
+    reused: str,
+) -> None:
+    path = st.layout.dead(QUEUE)
+    names, stat = st.zk.get_children(path, include_data=True)
+    bodies = [json.loads(st.zk.get(st.layout.dead_node(QUEUE, n))[0]) for n in names]
+    report.details["dead_letters"] = len(names)
+    report.checks["every worker alive, no traceback in its log"] = st.all_alive(fleet) and not any(
+        w.log_has("Traceback") for w in fleet
+    )
+    report.checks["each bad entry dead-lettered exactly once"] = sorted(names) == sorted(
+        letters
+    ) and stat.cversion == len(names)
+    report.checks["each letter says why"] = all(b.get("reason") for b in bodies)
+    report.checks["the reused id kept its first result"] = (
+        a.records.get(reused, {}).get("output") == "good 0"
+    )
+
+
+#: Every scenario by its short name, in the order scripts/chaos.py runs them.
+SCENARIOS: dict[str, Callable[..., ChaosReport]] = {
+    "kill-9": kill_workers,
+    "sigstop": stop_worker,
+    "zk-restart": zookeeper_restart,
+    "ensemble": ensemble_failover,
+    "hung": hung_worker,
+    "garbage": garbage_entries,
+}

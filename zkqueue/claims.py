@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import time
@@ -25,12 +26,14 @@ from kazoo.protocol.states import ZnodeStat
 from zkqueue import defaults
 from zkqueue import result as results
 from zkqueue.errors import ResultTooLarge
-from zkqueue.layout import EntryName, Layout
+from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
 from zkqueue.result import Result, to_json
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.claims")
+#: Nodes below an entry that dead-lettering removes at most (one multi must stay small).
+_MAX_DESCENDANTS = 256
 
 
 @dataclass
@@ -170,6 +173,20 @@ class Claims:
         body["partial"] = text
         claim.body = to_json(body)
 
+    def sweep(self, line: Line, held: set[str]) -> list[str]:
+        """Delete this session's claims on entries not in ``held`` and its places in the line
+        other than ``line.node``: a claim or join that committed while its reply was lost with
+        the connection. Left alone, a place nobody holds heads the line and stalls the queue,
+        and a claim nobody runs holds its job until the lease runs out. Returns what went."""
+        claims = self.layout.claims(self.queue)
+        stray = [child(claims, n) for n in own_untracked(self.zk, claims, held)]
+        places = own_untracked(self.zk, line.directory, {line.node} if line.node else set())
+        stray += [child(line.directory, n) for n in places]
+        for path in stray:
+            with contextlib.suppress(NoNodeError):
+                self.zk.delete(path)
+        return stray
+
     def release(self, claim: Claim) -> bool:
         """Give the job back (drain, out of memory): it is pending again for any worker."""
         txn = self.zk.transaction()
@@ -221,16 +238,19 @@ class Claims:
                 submitted_at=stat.ctime / 1000 if stat else None,
                 finished_at=now,
             )
+        path = self.layout.entry(self.queue, priority, name)
+        # Nodes another client hung under the entry would make its delete fail (NotEmpty) on
+        # every try, leaving the entry pending forever: they go in the same multi.
+        below = self._descendants(path) if stat is None or stat.numChildren else []
         # A hand-made entry may reuse an id that already has a result: then letter it alone.
         for with_result in (True, False) if record else (False,):
             txn = self.zk.transaction()
             txn.create(self.layout.dead_node(self.queue, name), to_json(letter))
             if with_result and record is not None:
                 txn.create(self.layout.result(self.queue, record.id), record.to_bytes())
-            txn.delete(
-                self.layout.entry(self.queue, priority, name),
-                stat.version if stat is not None else -1,
-            )
+            for node in below:
+                txn.delete(node)
+            txn.delete(path, stat.version if stat is not None else -1)
             outcome = txn.commit()
             if not _failed(outcome):
                 log.warning("dead-lettered %s/%s: %s", priority, name, reason)
@@ -238,12 +258,38 @@ class Claims:
         log.warning("dead-lettering %s failed: %s", name, _first_error(outcome))
         return False
 
+    def _descendants(self, path: str, limit: int = _MAX_DESCENDANTS) -> list[str]:
+        """Every node below ``path``, deepest first (at most ``limit``): delete order."""
+        found: list[str] = []
+        stack = [path]
+        while stack and len(found) < limit:
+            parent = stack.pop()
+            try:
+                kids = [child(parent, k) for k in self.zk.get_children(parent)]
+            except NoNodeError:
+                continue
+            found.extend(kids)
+            stack.extend(kids)
+        return sorted(found[:limit], key=lambda p: p.count("/"), reverse=True)
+
     def finish(self, priority: str, entry: EntryName, stat: ZnodeStat, record: Result) -> bool:
         """End an unclaimed entry with a result (expired, rejected), fenced by its version."""
         txn = self.zk.transaction()
         txn.create(self.layout.result(self.queue, entry.job_id), record.to_bytes())
         txn.delete(self.entry_path(priority, entry), stat.version)
         return not _failed(txn.commit())
+
+
+def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]:
+    """Names of the ephemeral nodes in ``directory`` owned by this session but not in
+    ``known``: what a create or multi left behind when its reply was lost."""
+    try:
+        names = zk.get_children(directory)
+    except NoNodeError:
+        return []
+    session = zk.client_id[0]
+    calls = [(n, zk.exists_async(child(directory, n))) for n in names if n not in known]
+    return [n for n, call in calls if (s := call.get()) is not None and s.ephemeralOwner == session]
 
 
 def _failed(outcome: list[Any]) -> bool:

@@ -32,8 +32,9 @@ from kazoo.exceptions import (
 
 from zkqueue import defaults
 from zkqueue import result as results
+from zkqueue.claims import own_untracked
 from zkqueue.errors import InvalidJob
-from zkqueue.layout import EntryName, Layout
+from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
 from zkqueue.result import Result
 from zkqueue.spec import JobSpec
@@ -259,6 +260,8 @@ class JanitorService:
         self._wake = threading.Event()
         self._line = Line(zk, layout.janitor(), member_id, self._wake.set)
         self._thread = threading.Thread(target=self._run, name="zkq-janitor", daemon=True)
+        #: A call failed with the connection: a join may have committed unseen (see _sweep).
+        self._unsure = False
 
     @property
     def leading(self) -> bool:
@@ -287,16 +290,30 @@ class JanitorService:
 
     def _turn(self) -> None:
         try:
+            if self._unsure:
+                self._sweep()
             if not self._line.joined:
                 self._line.join()
             if self._line.is_head():
                 self.janitor.run_pass()
                 self.passes += 1
         except _ZK_TROUBLE as exc:
-            # Our line node (if the session survived) is still ours: is_head() finds out.
+            # Our line node (if the session survived) is still ours: is_head() finds out. A join
+            # whose reply was lost may have left a second node: the next turn sweeps it.
             log.warning("janitor pass skipped: %s", type(exc).__name__)
+            self._unsure = True
         except Exception:  # housekeeping must never take the worker down
             log.exception("janitor pass failed")
+
+    def _sweep(self) -> None:
+        """Delete this session's places in the election other than the one we hold; one left
+        by a lost reply would head the line forever and no janitor would ever run."""
+        known = {self._line.node} if self._line.node else set()
+        for name in own_untracked(self.zk, self.layout.janitor(), known):
+            with contextlib.suppress(NoNodeError):
+                self.zk.delete(child(self.layout.janitor(), name))
+            self._line.invalidate()
+        self._unsure = False
 
 
 def _json(data: bytes) -> dict[str, Any]:

@@ -79,6 +79,12 @@ def member_prefix(directory: str) -> str:
     return f"{directory}/{LINE_PREFIX}"
 
 
+def is_line_member(name: str) -> bool:
+    """A node a line member created (``w-`` and ZooKeeper's sequence); any other name under a
+    line directory was written by someone else and is ignored."""
+    return name.startswith(LINE_PREFIX) and bool(_SEQ_RE.match(name[len(LINE_PREFIX) :]))
+
+
 def line_order(name: str) -> int:
     """Position of a line node (``w-<seq>``) as a number."""
     return int(name[len(LINE_PREFIX) :]) % _SEQ_WRAP

@@ -14,7 +14,7 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
 
-from zkqueue.layout import LINE_PREFIX, child, line_order, member_prefix
+from zkqueue.layout import child, is_line_member, line_order, member_prefix
 
 log = logging.getLogger("zkq.line")
 
@@ -99,9 +99,7 @@ class Line:
 
     def _ask_head(self) -> bool:
         while self.node is not None:
-            children = [
-                c for c in self.zk.get_children(self.directory) if c.startswith(LINE_PREFIX)
-            ]
+            children = [c for c in self.zk.get_children(self.directory) if is_line_member(c)]
             ordered = sorted(children, key=line_order)
             if self.node not in ordered:
                 self.node = None  # deleted behind our back (session loss); the loop rejoins
