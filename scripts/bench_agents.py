@@ -291,7 +291,7 @@ class ZkqService(Service):
         t.wrap(w.claims, "claim", "claim_multi")
         t.wrap(w.claims, "complete", "complete_multi")
         t.wrap(w.line, "_ask_head", "ask_head")
-        t.wrap(w, "_watch_entry", "watch_entry")
+        t.wrap(w, "_watch_entries", "watch_entries")
         t.wrap(w, "_execute", "execute")
 
     def start(self) -> None:

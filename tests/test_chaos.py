@@ -185,7 +185,7 @@ def test_connection_lost_while_watching_a_claimed_job_still_runs_it(
     was handed to the runner: it stayed 'running' forever and its slot was never freed."""
     handle = start_worker(EchoRunner(delay=0.05))
     worker = handle.worker
-    real_watch = worker._watch_entry
+    real_watch = worker._watch_entries
     failed: list[bool] = []
 
     def watch_fails_once(held: Any) -> None:
@@ -195,7 +195,7 @@ def test_connection_lost_while_watching_a_claimed_job_still_runs_it(
             raise ConnectionLoss()
         real_watch(held)
 
-    worker._watch_entry = watch_fails_once
+    worker._watch_entries = watch_fails_once  # type: ignore[method-assign]
     record = client.submit("run me anyway", detach=True).result(timeout=15)
     assert failed and (record.status, record.attempts) == ("succeeded", 1)
     assert client.submit("and the next", detach=True).result(timeout=10).ok

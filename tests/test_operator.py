@@ -160,3 +160,34 @@ def test_json_logs_carry_job_fields(zkq, spawn_worker, client: Client, tmp_path:
 def test_completion_script(zkq) -> None:
     out = zkq("completion", "bash")
     assert out.returncode == 0 and "_ZKQ_COMPLETE" in out.stdout
+
+
+def test_worker_serves_prometheus_metrics(spawn_worker, client: Client) -> None:
+    import urllib.request
+
+    from zkqueue.zkserver import free_port
+
+    port = free_port()
+    spawn_worker(
+        "--runner",
+        "echo",
+        "--metrics-port",
+        str(port),
+        "--metrics-addr",
+        "127.0.0.1",
+        "--heartbeat-interval",
+        "0.2",
+    )
+    wait_for(lambda: client.workers(), timeout=30, message="worker registered")
+    assert client.submit("measure me", priority="high").result(timeout=30).ok
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    text = wait_for(
+        lambda: 'slots{state="max"} 1.0' in (t := scrape()) and t, message="metrics updated"
+    )
+    assert 'zkq_jobs_total{priority="high",queue="default",status="succeeded"} 1.0' in text
+    assert 'zkq_run_seconds_count{priority="high",queue="default"} 1.0' in text
+    assert "zkq_zookeeper_connected 1.0" in text

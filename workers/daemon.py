@@ -26,6 +26,7 @@ from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.errors import ConfigurationError
 from zkqueue.janitor import Janitor, JanitorService
 from zkqueue.layout import Layout
+from zkqueue.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from kazoo.client import KazooClient
@@ -64,6 +65,9 @@ class WorkerOptions:
     janitor: bool = True
     janitor_interval: float = defaults.JANITOR_INTERVAL
     result_ttl: float = defaults.RESULT_TTL
+    #: Serve Prometheus metrics on this port (none: no HTTP server).
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
 
 
 def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe | None]:
@@ -144,6 +148,8 @@ def _serve(
     memory: MemoryProbe | None,
 ) -> None:
     notifier = Notifier()
+    metrics = WorkerMetrics()
+    server = metrics.serve(opts.metrics_port, opts.metrics_addr) if opts.metrics_port else None
     worker = Worker(
         zk,
         runner,
@@ -159,6 +165,7 @@ def _serve(
         max_attempts=opts.max_attempts,
         admission=admission,
         memory=memory,
+        metrics=metrics,
         on_heartbeat=_watchdog(notifier),
     )
     _install_signals(worker, notifier)
@@ -179,6 +186,8 @@ def _serve(
     finally:
         if janitor is not None:
             janitor.stop()
+        if server is not None:
+            server.shutdown()
 
 
 def _start_janitor(

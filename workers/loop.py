@@ -44,6 +44,7 @@ from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, check_queue
 from zkqueue.line import Line
 from zkqueue.logs import job_context
+from zkqueue.metrics import WorkerMetrics
 from zkqueue.registry import Registry, WorkerRecord
 from zkqueue.result import Result
 from zkqueue.spec import JobSpec
@@ -59,6 +60,8 @@ _SCAN_LIMIT = 64
 _RELEASE_GRACE = 5.0
 #: After an out-of-memory, full batches that must fit before the batch limit doubles again.
 _GROW_AFTER = 16
+#: A claim lost before completion, by cancel reason, as the claims-lost metric names it.
+_LOST_REASON = {"fenced": "fenced", "lost": "session", "lease": "lease"}
 
 
 def default_worker_id() -> str:
@@ -118,6 +121,7 @@ class Worker:
         admission: Admission | None = None,
         max_batch: int | None = None,
         memory: MemoryProbe | None = None,
+        metrics: WorkerMetrics | None = None,
         on_heartbeat: Callable[[Worker], None] | None = None,
     ) -> None:
         self.zk = zk
@@ -136,6 +140,8 @@ class Worker:
         self._full_batch = self.max_batch
         self._fitting_batches = 0
         self.memory = memory
+        #: Prometheus metrics (served by the daemon's --metrics-port).
+        self.metrics = metrics or WorkerMetrics()
         self.on_heartbeat = on_heartbeat
         self.state = NEW
         self.stats = WorkerStats()
@@ -200,6 +206,7 @@ class Worker:
             with contextlib.suppress(NodeExistsError):
                 self.zk.create(path, makepath=True)
         self.zk.add_listener(self._on_state)
+        self.metrics.connection("CONNECTED")
         self.registry.record.memory = self._memory_figures()
         self.registry.register(wait=self.zk_session_timeout)
         self.state = RUNNING
@@ -319,6 +326,8 @@ class Worker:
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again and only the claims watch will say so.
         self.view.claimed.update(c.entry.name for c in picked)
+        for c in picked:
+            self.metrics.estimated_need(self.queue, c.need)
         self._start(claimed, sum(c.need for c in picked))
 
     def _sweep(self) -> None:
@@ -326,9 +335,7 @@ class Worker:
         this session's claims and line places the loop does not know about, and set the entry
         watches that could not be set."""
         stray = self.claims.sweep(self.line, set(self._held))
-        for held in list(self._held.values()):
-            if not held.watched:
-                self._watch_entry(held)
+        self._watch_entries([h for h in self._held.values() if not h.watched])
         self._unsure = False
         if stray:
             log.warning("removed %d node(s) left by replies lost with the connection", len(stray))
@@ -340,9 +347,13 @@ class Worker:
         picked_specs: list[JobSpec] = []
         exclude = set(self._held)
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
-        chunk = max(free * 2, 4)
-        for start in range(0, len(ordered), chunk):
+        want = min(free, self.max_batch)
+        start = 0
+        while start < len(ordered):
+            # Read only as many entries as could be claimed; more only when some are refused.
+            chunk = want if start == 0 else max(want, 4)
             part = ordered[start : start + chunk]
+            start += chunk
             calls = [self.zk.get_async(self.claims.entry_path(p, e)) for p, e in part]
             for (priority, entry), call in zip(part, calls, strict=True):
                 try:
@@ -354,7 +365,7 @@ class Worker:
                 if cand is not None:
                     picked.append(cand)
                     picked_specs.append(cand.spec)
-                    if len(picked) >= min(free, self.max_batch):
+                    if len(picked) >= want:
                         return picked
         return picked
 
@@ -445,6 +456,7 @@ class Worker:
     ) -> None:
         if self.claims.dead_letter(priority, name, data, stat, reason, job_id):
             self.stats.dead_lettered += 1
+            self.metrics.job_finished(self.queue, priority, results.DEAD, None, None, None)
 
     def _letter_malformed(self) -> None:
         for priority, names in self.view.malformed.items():
@@ -472,7 +484,8 @@ class Worker:
             submitted_at=stat.ctime / 1000,
             finished_at=time.time(),
         )
-        self.claims.finish(priority, entry, stat, record)
+        if self.claims.finish(priority, entry, stat, record):
+            self.metrics.job_finished(self.queue, priority, status, None, None, None)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -503,27 +516,41 @@ class Worker:
             batch = _Batch(part, need * len(part) // len(held))
             if self.memory is not None:
                 self.memory.reserve(batch.need)
+            self.metrics.batch(self.queue, len(part))
             self._executor.submit(self._execute, batch)
         for h in held:
             log.info("claimed (attempt %d)", h.claim.token, extra=self._context(h))
         # Watch after the jobs are running: connection trouble here must not leave claimed jobs
         # that never run (the sweep after the reconnect sets the watches that are missing).
-        for h in held:
-            self._watch_entry(h)
+        self._watch_entries(held)
 
-    def _watch_entry(self, held: _Held) -> None:
+    def _watch_entries(self, held: list[_Held]) -> None:
+        """Watch each running job's entry (cancel, withdrawal, reclaim), pipelined."""
+        calls = [
+            (
+                h,
+                self.zk.exists_async(
+                    self.claims.entry_path(h.claim.priority, h.claim.entry),
+                    watch=self._entry_watch(h),
+                ),
+            )
+            for h in held
+        ]
+        for h, call in calls:
+            stat = call.get()
+            h.watched = True
+            if stat is None:
+                h.job.cancel("cancelled")
+            elif stat.version != h.claim.token:
+                h.job.cancel("fenced")
+
+    def _entry_watch(self, held: _Held) -> Callable[[WatchedEvent], None]:
         name = held.claim.entry.name
 
         def watch(event: WatchedEvent) -> None:
             self._post("entry", name, event.type, held)
 
-        path = self.claims.entry_path(held.claim.priority, held.claim.entry)
-        stat = self.zk.exists(path, watch=watch)
-        held.watched = True
-        if stat is None:
-            held.job.cancel("cancelled")
-        elif stat.version != held.claim.token:
-            held.job.cancel("fenced")
+        return watch
 
     def _execute(self, batch: _Batch) -> None:
         jobs = [h.job for h in batch.held]
@@ -593,15 +620,26 @@ class Worker:
         elif reason == "released":
             self.stats.released += self.claims.release(claim)
             log.info("released to other workers", extra=context)
-        elif reason in ("fenced", "lost"):
+        elif reason in ("fenced", "lost", "lease"):
             self.stats.fenced += 1
+            self.metrics.claim_lost(_LOST_REASON[reason])
             log.warning("stopped without a result: claim %s", reason, extra=context)
         elif self._complete(held, outcome):
             self.stats.completed += 1
             self.stats.failed += outcome.status != results.SUCCEEDED
-            log.info("%s in %.2fs", outcome.status, time.time() - claim.claimed_at, extra=context)
+            finished = time.time()
+            self.metrics.job_finished(
+                self.queue,
+                claim.priority,
+                outcome.status,
+                claim.claimed_at - claim.submitted_at,
+                finished - claim.claimed_at,
+                outcome.extra.get("output_tokens"),
+            )
+            log.info("%s in %.2fs", outcome.status, finished - claim.claimed_at, extra=context)
         else:
             self.stats.fenced += 1
+            self.metrics.claim_lost("fenced")
             self.claims.release(claim)
 
     def _context(self, held: _Held) -> dict[str, str]:
@@ -641,6 +679,7 @@ class Worker:
         self._post("state", state)
 
     def _state_changed(self, state: KazooState) -> None:
+        self.metrics.connection(str(state))
         if state == KazooState.SUSPENDED:
             log.warning("ZooKeeper connection suspended: not claiming until it is back")
             self._suspended = True
@@ -689,9 +728,10 @@ class Worker:
         except _ZK_TROUBLE:
             self._suspended = True
             return
+        self.metrics.lease_renewed(len(held) - len(lost))
         for claim in lost:
             log.warning("job %s: claim gone (lease reclaimed or session lost); stopping", claim.id)
-            self._held[claim.entry.name].job.cancel("fenced")
+            self._held[claim.entry.name].job.cancel("lease")
 
     def _maybe_publish(self) -> None:
         """Write streaming jobs' output so far into their claims, at most every
@@ -721,7 +761,7 @@ class Worker:
             self._suspended = True
             return
         for claim in lost:
-            self._held[claim.entry.name].job.cancel("fenced")
+            self._held[claim.entry.name].job.cancel("lease")
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()
@@ -736,6 +776,10 @@ class Worker:
         record.running = [h.claim.id for h in self._held.values()]
         record.completed, record.failed = self.stats.completed, self.stats.failed
         record.memory = self._memory_figures()
+        self.metrics.slots(self.busy, self.slots)
+        if record.memory is not None:
+            m = record.memory
+            self.metrics.memory(m["total"], m["free"], m["reserved"])
         if self.on_heartbeat is not None:
             self.on_heartbeat(self)
         try:

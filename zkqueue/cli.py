@@ -529,6 +529,8 @@ def workers(ctx: click.Context, as_json: bool) -> None:
     show_default=True,
     help="Seconds finished results are kept (by the janitor).",
 )
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True)
 @click.option(
     "--config",
     type=click.Path(dir_okay=False),

@@ -26,7 +26,8 @@ class RunningJob:
     attempts: int
     claimed_at: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    #: Why ``cancelled`` was set: "cancelled", "withdrawn", "fenced", "released", "lost".
+    #: Why ``cancelled`` was set: "cancelled" (or withdrawn), "fenced", "lease", "released",
+    #: "lost".
     cancel_reason: str | None = None
     #: Runner-reported progress (tokens so far); the lease renewal reads it.
     progress: int = 0
