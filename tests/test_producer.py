@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -95,3 +96,27 @@ def test_unknown_job_id(client: Client) -> None:
 def test_unreachable_zookeeper_is_a_clear_error() -> None:
     with pytest.raises(ZkqConnectionError, match=r"cannot reach ZooKeeper at 127\.0\.0\.1:1"):
         Client("127.0.0.1:1", connect_timeout=0.5).start()
+
+
+def test_a_lost_enqueue_names_the_job_to_look_up(client: Client, monkeypatch) -> None:
+    """If ZooKeeper does not come back in time, the error carries the id the create used."""
+    client.ensure_queue("default")
+    real_create = client.zk.create
+
+    def create_then_lose(path: str, *args: Any, **kwargs: Any) -> str:
+        real_create(path, *args, **kwargs)
+        raise ConnectionLoss("answer lost")
+
+    monkeypatch.setattr(client.zk, "create", create_then_lose)
+    monkeypatch.setattr(client, "find_entry", _always_lose)
+    monkeypatch.setattr(client, "settings", replace(client.settings, connect_timeout=0.2))
+    with pytest.raises(ZkqConnectionError) as caught:
+        client.submit("maybe", detach=True)
+    job_id = caught.value.job_id
+    assert job_id is not None and f"zkq status {job_id}" in str(caught.value)
+    monkeypatch.undo()
+    assert client.job(job_id).status() == "pending"
+
+
+def _always_lose(*_args: Any) -> str | None:
+    raise ConnectionLoss("still away")

@@ -207,7 +207,15 @@ class Client:
                 path: str = self.zk.create(prefix, data, ephemeral=ephemeral, sequence=True)
                 return path.rsplit("/", 1)[1]
             except (ConnectionLoss, SessionExpiredError):
-                found = self._find_after_loss(queue, priority, job_id, deadline)
+                try:
+                    found = self._find_after_loss(queue, priority, job_id, deadline)
+                except ZkqConnectionError as exc:
+                    # The create may have committed: give the caller the id to look it up by.
+                    raise ZkqConnectionError(
+                        f"{exc}; job {job_id} may or may not have been enqueued "
+                        f"(check with: zkq status {job_id})",
+                        job_id=job_id,
+                    ) from None
                 if found is not None:
                     return found
 
@@ -219,7 +227,10 @@ class Client:
             try:
                 return self.find_entry(queue, priority, job_id)
             except (ConnectionLoss, SessionExpiredError):
-                continue
+                if time.monotonic() > deadline:
+                    raise ZkqConnectionError(
+                        f"lost ZooKeeper at {self.settings.hosts} while enqueuing"
+                    ) from None
 
     def _await_connected(self, deadline: float) -> None:
         """Bounded wait for kazoo to reconnect (to this server or another of the ensemble)."""

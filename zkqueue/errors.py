@@ -65,9 +65,14 @@ class QueueFull(ZkqError):
 
 
 class ZkqConnectionError(ZkqError):
-    """ZooKeeper could not be reached, or the session was lost while waiting."""
+    """ZooKeeper could not be reached, or the session was lost while waiting. ``job_id`` names
+    a job whose enqueue may have committed before the connection went."""
 
     exit_code = ExitCode.UNAVAILABLE
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
 
 
 class AccessDenied(ZkqError):
