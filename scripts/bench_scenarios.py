@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import bench_wire
@@ -382,13 +383,13 @@ def run_profile(bench: Bench, log: Log) -> dict[str, Any]:
     for procs, slots in shapes:
         name = f"profile-worker-{procs}x{slots}.txt"
         text, cpu = _profile_workers(bench, procs, slots, n)
-        (bench.out / name).write_text(cpu + "\n\n" + text)
+        (bench.out / name).write_text(_relative(cpu + "\n\n" + text))
         files[f"worker_{procs}x{slots}"] = name
     files["submit_many"] = _profile_submit_many(bench, bench.config.bulk_jobs)
     produced = bench.special("producer").call(
         "produce_zkq", root=bench.fresh_root("profsubmit"), queue=QUEUE, n=300, profile=True
     )
-    (bench.out / "profile-submit.txt").write_text(produced["profile"])
+    (bench.out / "profile-submit.txt").write_text(_relative(produced["profile"]))
     files["submit"] = "profile-submit.txt"
     log(f"  wrote {', '.join(files.values())}")
     return {"files": files}
@@ -427,5 +428,11 @@ def _profile_submit_many(bench: Bench, n: int) -> str:
     client.submit_many([f"bulk job {i}" for i in range(n)], queue=QUEUE, detach=True)
     profiler.stop()
     name = "profile-submit-many.txt"
-    (bench.out / name).write_text(profiler.output_text(show_all=False))
+    (bench.out / name).write_text(_relative(profiler.output_text(show_all=False)))
     return name
+
+
+def _relative(text: str) -> str:
+    """Profiles name source files by absolute path: keep them relative to the repository."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    return text.replace(root, "")
