@@ -31,6 +31,7 @@ outcomes already finished); the worker owns the retry with smaller batches. Any 
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import threading
@@ -173,6 +174,8 @@ class HFRunner:
         else:
             self._tokenizer, self._model = _prepare_tokenizer(loaded[0], self.path), loaded[1]
         self._eos = _eos_ids(self._model, self._tokenizer)
+        # The head prices a growing batch once per candidate: count each prompt's tokens once.
+        self._token_counts = functools.lru_cache(maxsize=256)(self._count_uncached)
 
     # -- what the worker reads ----------------------------------------------------------------
 
@@ -211,6 +214,9 @@ class HFRunner:
 
     def count_tokens(self, prompt: str) -> int:
         """Tokens the prompt takes, special tokens included, exactly as ``run`` encodes it."""
+        return int(self._token_counts(prompt))
+
+    def _count_uncached(self, prompt: str) -> int:
         return len(self._encode(prompt))
 
     def validate(self, spec: JobSpec) -> str | None:
@@ -230,9 +236,7 @@ class HFRunner:
 
     def need_bytes(self, spec: JobSpec) -> int:
         """Estimated device bytes the job adds to the resident weights (KV cache + activations)."""
-        return kvcache.job_need_bytes(
-            self.config, self.count_tokens(spec.prompt), spec.max_new_tokens, self.dtype_bytes
-        )
+        return self.batch_need_bytes([spec])
 
     # -- running ------------------------------------------------------------------------------
 
