@@ -8,7 +8,6 @@ run on kazoo's thread; they just post events. Runners run on an executor thread 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue as queue_mod
@@ -28,8 +27,6 @@ from kazoo.exceptions import (
     ConnectionLoss,
     NodeExistsError,
     NoNodeError,
-    OperationTimeoutError,
-    SessionExpiredError,
 )
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent
 
@@ -40,12 +37,13 @@ from workers.runners.base import Outcome, OutOfMemory, Runner, RunningJob
 from zkqueue import defaults
 from zkqueue import result as results
 from zkqueue.claims import Candidate, Claim, Claims
+from zkqueue.connection import TRANSIENT
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, check_queue
 from zkqueue.line import Line
 from zkqueue.logs import job_context
 from zkqueue.metrics import WorkerMetrics
-from zkqueue.registry import Registry, WorkerRecord
+from zkqueue.registry import Registry, WorkerRecord, read_records
 from zkqueue.result import Result
 from zkqueue.spec import JobSpec
 from zkqueue.view import PendingView
@@ -53,7 +51,6 @@ from zkqueue.view import PendingView
 log = logging.getLogger("zkq.worker")
 
 NEW, RUNNING, DRAINING, STOPPED = "new", "running", "draining", "stopped"
-_ZK_TROUBLE = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 #: Entries the head reads in one turn at most: keeps the serial part of dispatch short.
 _SCAN_LIMIT = 64
 #: After a drain times out, how long released jobs get to stop before the worker exits anyway.
@@ -233,7 +230,7 @@ class Worker:
             self._retry_completions()
             self._dispatch()
             self._wait_events()
-        except _ZK_TROUBLE as exc:
+        except TRANSIENT as exc:
             log.warning("ZooKeeper trouble, waiting for the connection: %s", type(exc).__name__)
             self._suspended = True
             self._unsure = True
@@ -431,25 +428,11 @@ class Worker:
 
     def _largest_capacity(self) -> int | None:
         capacities = []
-        for record in self._registry_records():
+        for record in read_records(self.zk, self.layout):
             memory = record.get("memory") or {}
             if record.get("queue") == self.queue and memory.get("capacity") is not None:
                 capacities.append(int(memory["capacity"]))
         return max(capacities) if capacities else None
-
-    def _registry_records(self) -> list[dict[str, Any]]:
-        try:
-            names = self.zk.get_children(self.layout.workers())
-        except NoNodeError:
-            return []
-        calls = [self.zk.get_async(self.layout.worker(n)) for n in names]
-        records = []
-        for call in calls:
-            try:
-                records.append(json.loads(call.get()[0]))
-            except (NoNodeError, ValueError):
-                continue
-        return records
 
     def _letter(
         self, priority: str, name: str, data: bytes, stat: Any, reason: str, job_id: str | None
@@ -473,18 +456,15 @@ class Worker:
     def _end_unclaimed(
         self, priority: str, entry: EntryName, stat: Any, status: str, error: str
     ) -> None:
-        record = Result(
-            id=entry.job_id,
-            queue=self.queue,
-            priority=priority,
+        ended = self.claims.end_unclaimed(
+            priority,
+            entry,
+            version=stat.version,
+            submitted_at=stat.ctime / 1000,
             status=status,
             error=error,
-            worker=self.id,
-            attempts=stat.version,
-            submitted_at=stat.ctime / 1000,
-            finished_at=time.time(),
         )
-        if self.claims.finish(priority, entry, stat, record):
+        if ended:
             self.metrics.job_finished(self.queue, priority, status, None, None, None)
 
     # -- running -----------------------------------------------------------------------------
@@ -723,12 +703,16 @@ class Worker:
                 )
             return
         self._progress_mark = mark
+        self._renew([h.claim for h in held])
+
+    def _renew(self, claims: list[Claim]) -> None:
+        """Rewrite these claims (renewing their leases); stop the jobs whose claim is gone."""
         try:
-            lost = self.claims.renew([h.claim for h in held])
-        except _ZK_TROUBLE:
+            lost = self.claims.renew(claims)
+        except TRANSIENT:
             self._suspended = True
             return
-        self.metrics.lease_renewed(len(held) - len(lost))
+        self.metrics.lease_renewed(len(claims) - len(lost))
         for claim in lost:
             log.warning("job %s: claim gone (lease reclaimed or session lost); stopping", claim.id)
             self._held[claim.entry.name].job.cancel("lease")
@@ -753,15 +737,8 @@ class Worker:
                 held.published = text
                 self.claims.set_partial(held.claim, text)
                 changed.append(held.claim)
-        if not changed or self._suspended:
-            return
-        try:
-            lost = self.claims.renew(changed)
-        except _ZK_TROUBLE:
-            self._suspended = True
-            return
-        for claim in lost:
-            self._held[claim.entry.name].job.cancel("lease")
+        if changed and not self._suspended:
+            self._renew(changed)
 
     def _maybe_heartbeat(self) -> None:
         now = time.monotonic()
@@ -784,7 +761,7 @@ class Worker:
             self.on_heartbeat(self)
         try:
             self.registry.update()
-        except _ZK_TROUBLE:
+        except TRANSIENT:
             self._suspended = True
 
     def _memory_figures(self) -> dict[str, Any] | None:
@@ -826,7 +803,7 @@ class Worker:
     def _leave_line(self) -> None:
         try:
             self.line.leave()
-        except _ZK_TROUBLE:
+        except TRANSIENT:
             self.line.forget()
             self._unsure = True  # the node may still be there: the next sweep removes it
 
@@ -838,7 +815,7 @@ class Worker:
         try:
             self._leave_line()
             self.registry.unregister()
-        except _ZK_TROUBLE:
+        except TRANSIENT:
             pass
         self._executor.shutdown(wait=False, cancel_futures=True)
         log.info("worker %s stopped: %s", self.id, self.stats)

@@ -108,7 +108,7 @@ class Claims:
         if rejoin:
             line.add_join(txn)
         outcome = txn.commit()
-        if _failed(outcome):
+        if transaction_failed(outcome):
             log.debug("claim of %d entries lost a race: %s", len(picked), _first_error(outcome))
             return None
         line.committed(left, outcome[-1] if rejoin else None)
@@ -142,7 +142,7 @@ class Claims:
         if line is not None:
             line.add_join(txn)
         outcome = txn.commit()
-        if _failed(outcome):
+        if transaction_failed(outcome):
             log.warning(
                 "job %s: result not written, fenced out (%s)", claim.id, _first_error(outcome)
             )
@@ -192,7 +192,7 @@ class Claims:
         txn = self.zk.transaction()
         txn.check(self.entry_path(claim.priority, claim.entry), claim.token)
         txn.delete(self.layout.claim(self.queue, claim.entry.name))
-        return not _failed(txn.commit())
+        return not transaction_failed(txn.commit())
 
     def drop(self, claim: Claim) -> None:
         """Remove our claim on an entry that is gone (cancelled or withdrawn), if still ours."""
@@ -252,7 +252,7 @@ class Claims:
                 txn.delete(node)
             txn.delete(path, stat.version if stat is not None else -1)
             outcome = txn.commit()
-            if not _failed(outcome):
+            if not transaction_failed(outcome):
                 log.warning("dead-lettered %s/%s: %s", priority, name, reason)
                 return True
         log.warning("dead-lettering %s failed: %s", name, _first_error(outcome))
@@ -272,12 +272,33 @@ class Claims:
             stack.extend(kids)
         return sorted(found[:limit], key=lambda p: p.count("/"), reverse=True)
 
-    def finish(self, priority: str, entry: EntryName, stat: ZnodeStat, record: Result) -> bool:
+    def end_unclaimed(
+        self,
+        priority: str,
+        entry: EntryName,
+        *,
+        version: int,
+        submitted_at: float,
+        status: str,
+        error: str,
+        finished_at: float | None = None,
+    ) -> bool:
         """End an unclaimed entry with a result (expired, rejected), fenced by its version."""
+        record = Result(
+            id=entry.job_id,
+            queue=self.queue,
+            priority=priority,
+            status=status,
+            error=error,
+            worker=self.worker_id,
+            attempts=version,
+            submitted_at=submitted_at,
+            finished_at=time.time() if finished_at is None else finished_at,
+        )
         txn = self.zk.transaction()
         txn.create(self.layout.result(self.queue, entry.job_id), record.to_bytes())
-        txn.delete(self.entry_path(priority, entry), stat.version)
-        return not _failed(txn.commit())
+        txn.delete(self.entry_path(priority, entry), version)
+        return not transaction_failed(txn.commit())
 
 
 def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]:
@@ -292,7 +313,8 @@ def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]
     return [n for n, call in calls if (s := call.get()) is not None and s.ephemeralOwner == session]
 
 
-def _failed(outcome: list[Any]) -> bool:
+def transaction_failed(outcome: list[Any]) -> bool:
+    """A committed multi's results: did any operation fail (then none took effect)?"""
     return any(isinstance(r, Exception) for r in outcome)
 
 

@@ -20,7 +20,8 @@ from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import PENDING, RUNNING, Job
 from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
 from zkqueue.limits import Limits
-from zkqueue.spec import build_spec
+from zkqueue.registry import read_records
+from zkqueue.spec import build_spec, parse_submission
 
 #: Creates in flight at once in submit_many.
 _PIPELINE_WINDOW = 512
@@ -162,18 +163,17 @@ class Client:
         queue: str,
         max_new_tokens: int | None,
     ) -> tuple[str, str, str, bytes]:
-        fields: dict[str, Any] = {"prompt": spec} if isinstance(spec, str) else dict(spec)
         try:
-            prio = check_priority(fields.pop("priority", priority))
-            q = check_queue(fields.pop("queue", queue))
-            prompt = fields.pop("prompt", None)
-            mnt = fields.pop("max_new_tokens", max_new_tokens)
-            if prompt is None:
-                raise InvalidJob("no prompt")
-            data = build_spec(prompt, mnt, fields).to_bytes(self.max_spec_bytes)
+            sub = parse_submission(
+                spec,
+                priority=priority,
+                queue=queue,
+                max_new_tokens=max_new_tokens,
+                limit=self.max_spec_bytes,
+            )
         except InvalidJob as exc:
             raise type(exc)(f"spec #{index}: {exc}") from None
-        return new_job_id(), q, prio, data
+        return new_job_id(), sub.queue, sub.priority, sub.data
 
     def _create_pipelined(
         self, prepared: list[tuple[str, str, str, bytes]], detach: bool
@@ -405,19 +405,7 @@ class Client:
     def workers(self) -> builtins.list[dict[str, Any]]:
         """Registered workers' records (see docs/PROTOCOL.md)."""
         with self.mapped():
-            try:
-                names = sorted(self.zk.get_children(self.layout.workers()))
-            except NoNodeError:
-                return []
-            calls = [self.zk.get_async(self.layout.worker(n)) for n in names]
-            records = []
-            for call in calls:
-                try:
-                    data, _ = call.get()
-                except NoNodeError:
-                    continue
-                records.append(json.loads(data))
-            return records
+            return read_records(self.zk, self.layout)
 
 
 def _order(entry: EntryName) -> int:

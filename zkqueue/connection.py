@@ -31,6 +31,8 @@ from zkqueue import defaults
 from zkqueue.errors import AccessDenied, ConfigurationError, ZkqConnectionError
 
 log = logging.getLogger("zkq.connection")
+#: ZooKeeper errors that mean "the connection is away for now": wait for it and try again.
+TRANSIENT = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
 class _RedactAuth(logging.Filter):
@@ -135,7 +137,7 @@ def mapped_errors(hosts: str) -> Iterator[None]:
     """Turn kazoo's connection errors into ZkqConnectionError at the library boundary."""
     try:
         yield
-    except (ConnectionLoss, SessionExpiredError, OperationTimeoutError, KazooTimeoutError) as exc:
+    except (*TRANSIENT, KazooTimeoutError) as exc:
         raise ZkqConnectionError(f"lost ZooKeeper at {hosts}: {type(exc).__name__}") from exc
     except NoAuthError:
         raise AccessDenied(

@@ -9,6 +9,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from zkqueue.claims import transaction_failed
 from zkqueue.errors import InvalidJob, JobNotFound
 from zkqueue.layout import Layout
 from zkqueue.spec import JobSpec
@@ -54,8 +55,7 @@ def requeue(zk: KazooClient, layout: Layout, letter: dict[str, Any]) -> str:
     if zk.exists(layout.result(queue, job_id)) is not None:
         txn.delete(layout.result(queue, job_id))
     outcome = txn.commit()
-    failed = [r for r in outcome if isinstance(r, Exception)]
-    if failed:
+    if transaction_failed(outcome):
         raise JobNotFound(f"dead letter {letter['name']} changed while requeueing it; try again")
     name: str = outcome[0].rsplit("/", 1)[1]
     log.info("requeued %s as %s/%s", job_id, priority, name)

@@ -23,24 +23,20 @@ from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
-    ConnectionLoss,
     NodeExistsError,
     NoNodeError,
-    OperationTimeoutError,
-    SessionExpiredError,
 )
 
 from zkqueue import defaults
 from zkqueue import result as results
-from zkqueue.claims import own_untracked
+from zkqueue.claims import Claims, own_untracked, transaction_failed
+from zkqueue.connection import TRANSIENT
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
-from zkqueue.result import Result
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.janitor")
-_ZK_TROUBLE = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
 
 
 @dataclass
@@ -167,7 +163,7 @@ class Janitor:
         txn = self.zk.transaction()
         txn.check(self.layout.entry(queue, entry.priority, entry.entry.name), token)
         txn.delete(self.layout.claim(queue, entry.entry.name), claim_version)
-        return not any(isinstance(r, Exception) for r in txn.commit())
+        return not transaction_failed(txn.commit())
 
     def _expire_waiting(
         self, queue: str, waiting: list[_Pending], now: float, report: PassReport
@@ -200,21 +196,15 @@ class Janitor:
         self._deadlines = {k: v for k, v in self._deadlines.items() if k in alive}
 
     def _expire(self, queue: str, p: _Pending, deadline: _Deadline, now: float) -> bool:
-        record = Result(
-            id=p.entry.job_id,
-            queue=queue,
-            priority=p.priority,
-            status=results.EXPIRED,
-            worker=self.worker_id,
-            attempts=deadline.version,
-            error=f"not started within queue_timeout of {deadline.queue_timeout:g}s",
+        return Claims(self.zk, self.layout, queue, self.worker_id).end_unclaimed(
+            p.priority,
+            p.entry,
+            version=deadline.version,
             submitted_at=deadline.ctime,
+            status=results.EXPIRED,
+            error=f"not started within queue_timeout of {deadline.queue_timeout:g}s",
             finished_at=now,
         )
-        txn = self.zk.transaction()
-        txn.create(self.layout.result(queue, p.entry.job_id), record.to_bytes())
-        txn.delete(self.layout.entry(queue, p.priority, p.entry.name), deadline.version)
-        return not any(isinstance(r, Exception) for r in txn.commit())
 
     def _remove_old_results(self, queue: str, now: float) -> int:
         path = self.layout.results(queue)
@@ -285,7 +275,7 @@ class JanitorService:
             if self._wake.is_set():
                 self._wake.clear()
                 self._line.invalidate()
-        with contextlib.suppress(*_ZK_TROUBLE, NoNodeError):
+        with contextlib.suppress(*TRANSIENT, NoNodeError):
             self._line.leave()
 
     def _turn(self) -> None:
@@ -297,7 +287,7 @@ class JanitorService:
             if self._line.is_head():
                 self.janitor.run_pass()
                 self.passes += 1
-        except _ZK_TROUBLE as exc:
+        except TRANSIENT as exc:
             # Our line node (if the session survived) is still ours: is_head() finds out. A join
             # whose reply was lost may have left a second node: the next turn sweeps it.
             log.warning("janitor pass skipped: %s", type(exc).__name__)

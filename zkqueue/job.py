@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 
 from zkqueue import result as results
+from zkqueue.claims import transaction_failed
 from zkqueue.errors import JobNotFound, JobTimeout, JobWithdrawn
 from zkqueue.result import Result
 
@@ -165,7 +166,7 @@ class Job:
             txn.create(self.result_path, record.to_bytes())
             txn.delete(entry_path)
             outcome = txn.commit()
-            return not any(isinstance(r, Exception) for r in outcome)
+            return not transaction_failed(outcome)
 
     def withdraw(self) -> None:
         """Delete the entry without a result: the caller no longer wants the answer."""

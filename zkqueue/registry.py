@@ -94,3 +94,20 @@ def _wait_gone(zk: KazooClient, path: str, timeout: float) -> None:
     if zk.exists(path, watch=lambda _e: gone.set()) is None:
         return
     gone.wait(max(timeout, 0.0))
+
+
+def read_records(zk: KazooClient, layout: Layout) -> list[dict[str, Any]]:
+    """Every live worker's registration, by worker id (pipelined reads). A node that vanished
+    meanwhile, or whose data is not JSON, is left out."""
+    try:
+        names = sorted(zk.get_children(layout.workers()))
+    except NoNodeError:
+        return []
+    calls = [zk.get_async(layout.worker(n)) for n in names]
+    records = []
+    for call in calls:
+        try:
+            records.append(json.loads(call.get()[0]))
+        except (NoNodeError, ValueError):
+            continue
+    return records
