@@ -17,25 +17,32 @@ from zkqueue import defaults
 from zkqueue.errors import InvalidJob, SpecTooLarge
 
 SPEC_VERSION = 1
-_FIELDS = (
-    "stream",
-    "v",
-    "prompt",
-    "max_new_tokens",
+#: Fields a caller may pass as ``**params`` to ``Client.submit``.
+PARAMS = (
     "temperature",
     "top_p",
     "seed",
     "max_runtime",
     "queue_timeout",
+    "stream",
+    "min_new_tokens",
+    "ignore_eos",
+    "stop",
+    "messages",
 )
-#: Fields a caller may pass as ``**params`` to ``Client.submit``.
-PARAMS = ("temperature", "top_p", "seed", "max_runtime", "queue_timeout", "stream")
+_FIELDS = ("v", "prompt", "max_new_tokens", *PARAMS)
+#: At most this many stop strings, each at most this many characters.
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+#: Chat roles a job's ``messages`` may use.
+ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
 class JobSpec:
     """What to run. The job's id, queue and priority live in its znode path, not here."""
 
+    #: The text to continue. Empty when the job is a chat (``messages``).
     prompt: str
     max_new_tokens: int = defaults.MAX_NEW_TOKENS
     temperature: float | None = None
@@ -47,9 +54,25 @@ class JobSpec:
     queue_timeout: float | None = None
     #: Publish the output while it is generated (in the claim node, a few times a second).
     stream: bool = False
+    #: Generate at least this many tokens (end-of-sequence is ignored until then).
+    min_new_tokens: int | None = None
+    #: Never stop at end-of-sequence: generate exactly ``max_new_tokens`` (benchmarks).
+    ignore_eos: bool = False
+    #: Stop when the output contains one of these strings (the string is not part of the output).
+    stop: tuple[str, ...] | None = None
+    #: A chat: ``({"role": "system"|"user"|"assistant", "content": str}, ...)``; the worker renders
+    #: it with the tokenizer's chat template (or ``render_plain`` where it has none).
+    messages: tuple[dict[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
-        _check_str("prompt", self.prompt)
+        if self.messages is not None:
+            object.__setattr__(self, "messages", _check_messages(self.messages))
+            if self.prompt != "":
+                raise InvalidJob("a job has either a prompt or messages, not both")
+        else:
+            _check_str("prompt", self.prompt)
+        if self.stop is not None:
+            object.__setattr__(self, "stop", _check_stop(self.stop))
         _check_int("max_new_tokens", self.max_new_tokens, 1, defaults.MAX_NEW_TOKENS_LIMIT)
         _check_opt_float("temperature", self.temperature, 0.0, 100.0)
         _check_opt_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -59,6 +82,15 @@ class JobSpec:
             _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_opt_float("max_runtime", self.max_runtime, 0.0, 7 * 86400.0, low_open=True)
         _check_opt_float("queue_timeout", self.queue_timeout, 0.0, 30 * 86400.0, low_open=True)
+        if self.min_new_tokens is not None:
+            _check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidJob(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
+
+    @property
+    def text(self) -> str:
+        """The prompt, or a chat's messages in the plain format (``render_plain``)."""
+        return self.prompt if self.messages is None else render_plain(self.messages)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -69,7 +101,9 @@ class JobSpec:
         for name in PARAMS:
             value = getattr(self, name)
             if value is not None and value is not False:
-                out[name] = value
+                out[name] = list(value) if isinstance(value, tuple) else value
+        if self.messages is not None:
+            del out["prompt"]
         return out
 
     def to_bytes(self, limit: int = defaults.MAX_SPEC_BYTES) -> bytes:
@@ -90,9 +124,13 @@ class JobSpec:
             raise InvalidJob(
                 f"unsupported spec version {raw['v']!r} (this zkq reads {SPEC_VERSION})"
             )
-        if "prompt" not in raw:
-            raise InvalidJob("job spec has no prompt")
+        if "prompt" not in raw and "messages" not in raw:
+            raise InvalidJob("job spec has no prompt (nor messages)")
         fields = {k: v for k, v in raw.items() if k != "v"}
+        fields.setdefault("prompt", "")
+        for name in ("stop", "messages"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
         return cls(**fields)
 
     @classmethod
@@ -119,7 +157,44 @@ def build_spec(prompt: str, max_new_tokens: int | None, params: Mapping[str, Any
             f"unknown job parameter(s): {', '.join(unknown)} (known: {', '.join(PARAMS)})"
         )
     mnt = defaults.MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
-    return JobSpec(prompt=prompt, max_new_tokens=mnt, **params)
+    fields = dict(params)
+    for name in ("stop", "messages"):
+        if isinstance(fields.get(name), list):
+            fields[name] = tuple(fields[name])
+    return JobSpec(prompt=prompt, max_new_tokens=mnt, **fields)
+
+
+def render_plain(messages: tuple[dict[str, str], ...]) -> str:
+    """A chat as plain text, for tokenizers without a chat template: one ``role: content`` line
+    per message, then ``assistant:`` for the reply to follow."""
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join([*lines, "assistant:"])
+
+
+def _check_messages(value: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list | tuple) or not value:
+        raise InvalidJob("messages must be a non-empty list of {role, content} objects")
+    checked = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
+            raise InvalidJob(f"messages[{i}] must be an object with exactly role and content")
+        if message["role"] not in ROLES:
+            raise InvalidJob(f"messages[{i}].role must be one of {', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise InvalidJob(f"messages[{i}].content must be a string")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return tuple(checked)
+
+
+def _check_stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_STOP:
+        raise InvalidJob(f"stop must be a string or a list of 1 to {MAX_STOP} strings")
+    for s in value:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise InvalidJob(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+    return tuple(value)
 
 
 def _reject_constant(name: str) -> Any:
@@ -179,7 +254,8 @@ def parse_submission(
     prio = check_priority(fields.pop("priority", priority))
     target = check_queue(fields.pop("queue", queue))
     prompt = fields.pop("prompt", None)
-    if prompt is None:
+    if prompt is None and "messages" not in fields:
         raise InvalidJob("no prompt")
+    prompt = "" if prompt is None else prompt
     mnt = fields.pop("max_new_tokens", max_new_tokens)
     return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit))
