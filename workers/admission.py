@@ -1,21 +1,29 @@
-"""Admission: may this worker take this job now (a slot is free and its memory need fits), later
-(it fits an idle worker like this one), or never (it is bigger than this worker can ever hold)?"""
+"""Admission: may this worker take this job now (its KV-cache pages fit beside the pages promised
+to the jobs it runs), later (it fits the idle cache), or never (it is larger than the whole cache)?
+
+The engine's cache is sized once when the worker starts (``workers.kvcache.size_cache``): a fixed
+number of pages of ``page_tokens`` positions each. A job needs
+``ceil((prompt_tokens + max_new_tokens) / page_tokens)`` pages for its whole life, so a worker that
+only admits jobs whose pages fit beside the promised ones never runs out of cache. Slot counting
+is the worker's; without a cache (echo runner) every job fits.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.kvcache import format_size
 from zkqueue.spec import JobSpec
 
 
 class Verdict(enum.Enum):
     ADMIT = "admit"
-    #: Fits an idle worker like this one: leave it pending.
+    #: Fits the idle cache: leave it pending until pages free up.
     WAIT = "wait"
-    #: Needs more memory than this worker can ever hold: leave it for a bigger worker.
+    #: Needs more pages than this worker's whole cache: leave it for a bigger worker.
     NEVER = "never"
     #: Can never run on this queue's model (prompt + max_new_tokens over its context): end it.
     REJECT = "reject"
@@ -24,50 +32,70 @@ class Verdict(enum.Enum):
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
-    need: int = 0
+    #: Pages the job needs (0 without a cache).
+    pages: int = 0
     reason: str = ""
 
 
 class Admission:
-    """Slot counting is the worker's; this judges memory. Without an estimator every job fits."""
+    """Judges jobs against a cache of ``pages_total`` pages and keeps the ledger of promises."""
 
     def __init__(
         self,
-        estimate: Callable[[Sequence[JobSpec]], int] | None = None,
-        free: Callable[[], int] | None = None,
-        capacity: int | None = None,
+        pages_total: int | None = None,
+        page_tokens: int = 1,
+        count_tokens: Callable[[JobSpec], int] | None = None,
         validate: Callable[[JobSpec], str | None] | None = None,
-        keep_free: int = 0,
     ) -> None:
-        self._estimate = estimate
-        self._free = free
-        #: The largest need this worker could ever hold (idle, weights resident, reserve kept).
-        self.capacity = capacity
+        self.pages_total = pages_total
+        self.page_tokens = page_tokens
+        self._count = count_tokens
         self._validate = validate
-        #: Bytes kept free on the device whatever the estimates say (--vram-reserve).
-        self.keep_free = keep_free
+        self._lock = threading.Lock()
+        self._promised = 0
 
-    def judge(self, spec: JobSpec, picked: Sequence[JobSpec] = ()) -> Decision:
-        """Judge ``spec`` as one more row of a batch with the jobs ``picked`` earlier in this turn.
-        ``estimate`` prices a whole batch (padding makes it more than the sum of its rows), and
-        the decision's ``need`` is what this job adds to it."""
+    @property
+    def promised(self) -> int:
+        """Pages promised to the jobs this worker holds."""
+        return self._promised
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """Positions the whole cache holds (comparable across workers with other page sizes)."""
+        return None if self.pages_total is None else self.pages_total * self.page_tokens
+
+    def pages_for(self, spec: JobSpec) -> int:
+        """Pages ``spec`` takes at its longest: its prompt plus every token it may generate."""
+        if self._count is None:
+            return 0
+        return math.ceil((self._count(spec) + spec.max_new_tokens) / self.page_tokens)
+
+    def judge(self, spec: JobSpec, extra: int = 0) -> Decision:
+        """Judge ``spec`` as one more job beside the promised pages and ``extra`` pages picked
+        earlier in the same turn but not yet reserved."""
         if self._validate is not None:
             problem = self._validate(spec)
             if problem:
                 return Decision(Verdict.REJECT, 0, problem)
-        if self._estimate is None:
+        if self.pages_total is None:
             return Decision(Verdict.ADMIT)
-        need = self._estimate([spec])
-        if self.capacity is not None and need > self.capacity:
+        pages = self.pages_for(spec)
+        if pages > self.pages_total:
             return Decision(
                 Verdict.NEVER,
-                need,
-                f"needs {format_size(need)} ({need} bytes); this worker holds at most "
-                f"{format_size(self.capacity)}",
+                pages,
+                f"needs {pages} KV-cache pages of {self.page_tokens} tokens; this worker's "
+                f"whole cache is {self.pages_total} pages",
             )
-        batch = self._estimate([*picked, spec]) if picked else need
-        added = batch - self._estimate(picked) if picked else need
-        free = self._free() - self.keep_free if self._free is not None else batch
-        if batch > free:
-            return Decision(Verdict.WAIT, added, f"batch needs {batch} bytes; {free} free")
-        return Decision(Verdict.ADMIT, added)
+        free = self.pages_total - self._promised - extra
+        if pages > free:
+            return Decision(Verdict.WAIT, pages, f"needs {pages} pages; {free} free")
+        return Decision(Verdict.ADMIT, pages)
+
+    def reserve(self, pages: int) -> None:
+        with self._lock:
+            self._promised += pages
+
+    def release(self, pages: int) -> None:
+        with self._lock:
+            self._promised = max(0, self._promised - pages)

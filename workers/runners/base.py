@@ -1,18 +1,44 @@
-"""The runner interface: what a worker calls to turn claimed jobs into outcomes.
+"""The runner interface: one job in, one outcome out, as soon as that job ends.
 
-A runner executes one batch at a time on a worker thread (never on ZooKeeper's threads). It must
-watch each job's ``cancelled`` event and stop that job's work soon after it is set.
+The worker hands each job to its runner the moment it is claimed (``submit``, which returns at
+once) and the runner reports the job's ``Outcome`` through the ``done`` callback given to
+``start`` (from any thread; the worker only posts it to its loop). A runner must watch each job's
+``cancelled`` event (or register ``on_cancel``) and stop that job's work soon after it is set,
+still reporting an outcome for it.
+
+``ThreadedRunner`` is the simple base for runners that run one job per thread (echo, test
+runners); engines that batch continuously (the HF runner) implement ``submit`` themselves.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from zkqueue.spec import JobSpec
+
+log = logging.getLogger("zkq.runner")
+
+
+class CancelReason(str, enum.Enum):
+    """Why a running job was stopped; the value is what logs and metrics say."""
+
+    #: The entry was deleted: cancelled by a user or withdrawn by its caller.
+    CANCELLED = "cancelled"
+    #: Another claim replaced ours (the entry's version moved).
+    FENCED = "fenced"
+    #: Our lease was reclaimed by the janitor.
+    LEASE = "lease"
+    #: We give the job back (drain, shutdown, engine failure).
+    RELEASED = "released"
+    #: The session that held the claim is gone.
+    LOST = "lost"
 
 
 @dataclass
@@ -26,9 +52,7 @@ class RunningJob:
     attempts: int
     claimed_at: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    #: Why ``cancelled`` was set: "cancelled" (or withdrawn), "fenced", "lease", "released",
-    #: "lost".
-    cancel_reason: str | None = None
+    cancel_reason: CancelReason | None = None
     #: Runner-reported progress (tokens so far); the lease renewal reads it.
     progress: int = 0
     #: Output so far, for jobs that stream: runners append token ids (decoded with ``decode``)
@@ -36,11 +60,20 @@ class RunningJob:
     partial_ids: list[int] = field(default_factory=list)
     partial: str = ""
     decode: Callable[[list[int]], str] | None = None
+    #: Called once (on the canceller's thread) when the job is cancelled: runners whose engine
+    #: must be told (abort a request) set it in ``submit``.
+    on_cancel: Callable[[RunningJob], None] | None = None
 
-    def cancel(self, reason: str) -> None:
+    def cancel(self, reason: CancelReason) -> None:
         if self.cancel_reason is None:
             self.cancel_reason = reason
+        first = not self.cancelled.is_set()
         self.cancelled.set()
+        if first and self.on_cancel is not None:
+            try:
+                self.on_cancel(self)
+            except Exception:  # the engine's trouble must not reach the worker's loop
+                log.exception("job %s: the runner's cancel hook failed", self.id)
 
     def partial_text(self) -> str:
         """The output generated so far (what a streaming caller sees)."""
@@ -59,33 +92,72 @@ class Outcome:
     error: str | None = None
     #: Runner-specific figures copied into the result record (prompt_tokens, output_tokens, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The job did not fail on its own account (the engine died, the device ran out of memory):
+    #: the worker gives it back to the queue for another try instead of writing a result.
+    release: bool = False
 
 
-class OutOfMemory(Exception):
-    """A batch did not fit the device. ``outcomes`` lines up with the batch's jobs: the outcome of
-    each job that finished before the failure, None for the others (the worker releases those and
-    retries them in smaller batches)."""
-
-    def __init__(self, message: str, outcomes: list[Outcome | None], batch_size: int) -> None:
-        super().__init__(message)
-        self.outcomes = outcomes
-        self.batch_size = batch_size
+#: How a runner reports an outcome: ``done(job, outcome)``, from any thread, once per job.
+Done = Callable[[RunningJob, Outcome], None]
 
 
 class Runner(Protocol):
-    """Turns a batch of jobs into one outcome per job, in the same order."""
+    """Takes jobs one at a time and reports each one's outcome as soon as it ends."""
 
     #: Shown in the worker registration (for example "echo" or the model directory).
     name: str
 
     def describe(self) -> dict[str, Any]:
-        """Figures for the worker registration (model, device, dtype, weight bytes...)."""
+        """Figures for the worker registration (model, device, dtype, cache pages...)."""
         ...
 
-    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-        """Run ``jobs`` together; return their outcomes in order. Never raise for one bad job."""
+    def start(self, done: Done) -> None:
+        """Begin serving; every job later given to ``submit`` ends with one ``done`` call."""
+        ...
+
+    def submit(self, job: RunningJob) -> None:
+        """Take one job and return at once. Never raise for one bad job: report it."""
         ...
 
     def close(self) -> None:
-        """Free what the runner holds (model weights, threads)."""
+        """Stop serving and free what the runner holds (model weights, threads)."""
         ...
+
+
+class ThreadedRunner:
+    """A runner that runs each job on a thread of its own pool: subclasses write ``run_one``."""
+
+    name = "threaded"
+
+    def __init__(self, threads: int = 64) -> None:
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._done: Done | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"runner": self.name}
+
+    def start(self, done: Done) -> None:
+        self._done = done
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"zkq-{self.name}")
+
+    def submit(self, job: RunningJob) -> None:
+        assert self._pool is not None, "start() the runner first"
+        self._pool.submit(self._run, job)
+
+    def _run(self, job: RunningJob) -> None:
+        try:
+            outcome = self.run_one(job)
+        except Exception as exc:  # a runner bug must fail its job, never kill the worker
+            log.exception("runner failed job %s", job.id)
+            outcome = Outcome("failed", error=f"runner error: {exc!r}")
+        assert self._done is not None
+        self._done(job, outcome)
+
+    def run_one(self, job: RunningJob) -> Outcome:
+        """Run one job to its end; return its outcome (watch ``job.cancelled``)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

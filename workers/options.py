@@ -1,0 +1,52 @@
+"""One record of every worker setting: ``zkq worker`` maps its flags (and the TOML file) onto these
+fields, the daemon reads the runner's part, and the loop (``workers.loop.Worker``) the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zkqueue import defaults
+
+
+@dataclass
+class WorkerOptions:
+    """Everything a worker takes. Defaults live in ``zkqueue.defaults``."""
+
+    queue: str = defaults.QUEUE
+    root: str = defaults.ROOT
+    #: Jobs this worker runs at once. For a model worker: at most this many in flight (memory
+    #: admission may allow fewer).
+    max_concurrency: int = defaults.WORKER_SLOTS
+    name: str | None = None
+    #: Exit after claiming this many jobs.
+    max_jobs: int | None = None
+    #: Exit when the queue is empty.
+    burst: bool = False
+    drain_timeout: float = defaults.DRAIN_TIMEOUT
+    heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL
+    #: Seconds a running job's claim lives without progress.
+    lease: float = defaults.LEASE
+    max_attempts: int = defaults.MAX_ATTEMPTS
+
+    # -- the runner ---------------------------------------------------------------------------
+    runner: str = "echo"
+    echo_delay: float = defaults.ECHO_DELAY
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    #: Behave as if the device had this many bytes, weights included (CPU hosts, tests).
+    vram_budget: int | None = None
+    #: Bytes always kept free on the device.
+    vram_reserve: int = 0
+    #: Default max_runtime for jobs that set none (seconds).
+    max_runtime: float | None = None
+    slow_after: float = 30.0
+
+    # -- what the daemon adds -----------------------------------------------------------------
+    #: Take part in the janitor's election (one active janitor per cluster).
+    janitor: bool = True
+    janitor_interval: float = defaults.JANITOR_INTERVAL
+    result_ttl: float = defaults.RESULT_TTL
+    #: Serve Prometheus metrics on this port (none: no HTTP server).
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
