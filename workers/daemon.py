@@ -10,7 +10,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +17,10 @@ from workers.admission import Admission
 from workers.kvcache import format_size
 from workers.loop import Worker, default_worker_id
 from workers.memory import MemoryProbe
+from workers.options import WorkerOptions
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
-from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.errors import ConfigurationError
 from zkqueue.janitor import Janitor, JanitorService
@@ -34,40 +33,6 @@ if TYPE_CHECKING:
     from workers.runners.hf import HFRunner
 
 log = logging.getLogger("zkq.daemon")
-
-
-@dataclass
-class WorkerOptions:
-    """Everything ``zkq worker`` takes; the CLI maps its flags onto these fields."""
-
-    queue: str = defaults.QUEUE
-    runner: str = "echo"
-    echo_delay: float = defaults.ECHO_DELAY
-    max_concurrency: int = defaults.WORKER_SLOTS
-    name: str | None = None
-    max_jobs: int | None = None
-    burst: bool = False
-    drain_timeout: float = defaults.DRAIN_TIMEOUT
-    heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL
-    max_attempts: int = defaults.MAX_ATTEMPTS
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    #: Behave as if the device had this many bytes, weights included (CPU hosts, tests).
-    vram_budget: int | None = None
-    #: Bytes always kept free on the device.
-    vram_reserve: int = 0
-    #: Default max_runtime for jobs that set none (seconds).
-    max_runtime: float | None = None
-    slow_after: float = 30.0
-    lease: float = defaults.LEASE
-    #: Take part in the janitor's election (one active janitor per cluster).
-    janitor: bool = True
-    janitor_interval: float = defaults.JANITOR_INTERVAL
-    result_ttl: float = defaults.RESULT_TTL
-    #: Serve Prometheus metrics on this port (none: no HTTP server).
-    metrics_port: int | None = None
-    metrics_addr: str = "0.0.0.0"
 
 
 def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe | None]:
@@ -124,14 +89,14 @@ def memory_admission(
     return admission, probe
 
 
-def run_worker(settings: ConnectionSettings, root: str, opts: WorkerOptions) -> int:
+def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
     """Run until stopped; returns the process exit code."""
     runner, admission, memory = build_runner(opts)  # a bad model fails before registering
     try:
         zk = connect(settings)
         try:
             with mapped_errors(settings.hosts):
-                _serve(zk, root, opts, runner, admission, memory)
+                _serve(zk, opts.root, opts, runner, admission, memory)
             return 0
         finally:
             close(zk)

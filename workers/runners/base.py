@@ -26,7 +26,7 @@ from zkqueue.spec import JobSpec
 log = logging.getLogger("zkq.runner")
 
 
-class CancelReason(str, enum.Enum):
+class CancelReason(enum.StrEnum):
     """Why a running job was stopped; the value is what logs and metrics say."""
 
     #: The entry was deleted: cancelled by a user or withdrawn by its caller.

@@ -1,0 +1,162 @@
+"""The daemon's commands, added to ``zkq`` through the ``zkq.commands`` entry points: ``worker``,
+``janitor`` and ``tiny-model``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from zkqueue import defaults
+from zkqueue.cli.common import SIZE, connection_settings, handles_errors
+
+
+@click.command()
+@click.option("--queue", default=defaults.QUEUE, show_default=True)
+@click.option(
+    "--runner",
+    type=click.Choice(["echo", "hf"]),
+    default="echo",
+    show_default=True,
+    help="echo (smoke tests, benchmarks) or hf (a transformers model; implied by --model).",
+)
+@click.option("--model", default=None, help="Local model directory (transformers causal LM).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float16", "bfloat16", "float32"]),
+    default="auto",
+    show_default=True,
+)
+@click.option(
+    "--vram-budget",
+    type=SIZE,
+    default=None,
+    help="Act as if the device had SIZE (e.g. 512MiB), weights included; for CPU hosts.",
+)
+@click.option(
+    "--vram-reserve", type=SIZE, default=0, help="Keep SIZE of device memory free always."
+)
+@click.option(
+    "--max-runtime", type=float, default=None, help="Default max runtime per job, seconds."
+)
+@click.option(
+    "--slow-after", type=float, default=30.0, show_default=True, help="Log jobs slower than this."
+)
+@click.option(
+    "--echo-delay",
+    type=float,
+    default=defaults.ECHO_DELAY,
+    show_default=True,
+    help="Seconds the echo runner takes per batch.",
+)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=defaults.WORKER_SLOTS,
+    show_default=True,
+    help="Slots: jobs this worker runs at once.",
+)
+@click.option("--name", default=None, help="Worker id (default host-pid-random).")
+@click.option("--max-jobs", type=int, default=None, help="Exit after claiming N jobs.")
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT, show_default=True)
+@click.option(
+    "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL, show_default=True
+)
+@click.option("--max-attempts", type=int, default=defaults.MAX_ATTEMPTS, show_default=True)
+@click.option(
+    "--lease",
+    type=float,
+    default=defaults.LEASE,
+    show_default=True,
+    help="Seconds a running job's claim lives without progress.",
+)
+@click.option(
+    "--janitor/--no-janitor",
+    default=True,
+    show_default=True,
+    help="Stand for the janitor election.",
+)
+@click.option(
+    "--janitor-interval", type=float, default=defaults.JANITOR_INTERVAL, show_default=True
+)
+@click.option(
+    "--result-ttl",
+    type=float,
+    default=defaults.RESULT_TTL,
+    show_default=True,
+    help="Seconds finished results are kept (by the janitor).",
+)
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@click.option("--metrics-addr", default="0.0.0.0", show_default=True)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML file with worker settings: flags override it, it overrides ZKQ_* variables.",
+)
+@click.pass_context
+@handles_errors
+def worker(ctx: click.Context, **options: Any) -> None:
+    """Run a worker daemon on a queue until SIGTERM (drain) or a second signal (release).
+
+    \b
+    Examples:
+      zkq worker --queue default --runner echo --max-concurrency 4
+      zkq worker --queue llama --model /srv/models/llama --max-concurrency 8 --vram-reserve 2GiB
+    """
+    from workers.config import apply_config
+    from workers.daemon import run_worker
+    from workers.options import WorkerOptions
+
+    config = options.pop("config")
+    if config is not None:
+        apply_config(ctx, options, config)
+    opts = WorkerOptions(root=ctx.obj["root"], **options)
+    sys.exit(run_worker(connection_settings(ctx), opts))
+
+
+@click.command()
+@click.option("--interval", type=float, default=defaults.JANITOR_INTERVAL, show_default=True)
+@click.option(
+    "--result-ttl",
+    type=float,
+    default=defaults.RESULT_TTL,
+    show_default=True,
+    help="Seconds finished results are kept.",
+)
+@click.option("--once", is_flag=True, help="Run one pass now and exit.")
+@click.pass_context
+@handles_errors
+def janitor(ctx: click.Context, interval: float, result_ttl: float, once: bool) -> None:
+    """Run the janitor (expired leases, queue deadlines, old results) for deployments without
+    workers running it; several may run, one is elected."""
+    from workers.daemon import run_janitor
+
+    sys.exit(
+        run_janitor(
+            connection_settings(ctx),
+            ctx.obj["root"],
+            interval=interval,
+            result_ttl=result_ttl,
+            once=once,
+        )
+    )
+
+
+@click.command("tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True)
+@handles_errors
+def tiny_model(directory: str, seed: int) -> None:
+    """Write a small random-weight causal LM (config, safetensors, BPE tokenizer) to DIRECTORY.
+
+    \b
+    Example:
+      zkq tiny-model /tmp/tiny && zkq worker --model /tmp/tiny
+    """
+    from workers.tinymodel import write_tiny_model
+
+    click.echo(str(write_tiny_model(directory, seed=seed)))

@@ -1,0 +1,3 @@
+from zkqueue.cli.main import main
+
+main()

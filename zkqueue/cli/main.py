@@ -1,0 +1,159 @@
+"""The ``zkq`` command: it only maps options onto library calls. Exit codes: errors.ExitCode.
+
+The library's commands are added here; packages built on the library (the worker daemon, the
+HTTP gateway) add theirs through the ``zkq.commands`` entry-point group, so nothing in the library
+imports them. A plugin that cannot be imported (its extra is not installed) still shows up, and
+says what to install.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import click
+
+from zkqueue import defaults
+from zkqueue.cli import jobs, ops
+from zkqueue.cli.common import CONTEXT
+from zkqueue.errors import ExitCode
+from zkqueue.logs import configure as configure_logging
+
+
+@click.group(context_settings=CONTEXT)
+@click.option(
+    "--zk",
+    default=defaults.HOSTS,
+    show_default=True,
+    envvar="ZKQ_ZK",
+    help="ZooKeeper connection string (host:port[,host:port...]).",
+)
+@click.option(
+    "--root",
+    default=defaults.ROOT,
+    show_default=True,
+    envvar="ZKQ_ROOT",
+    help="Root znode of this zkq installation.",
+)
+@click.option(
+    "--session-timeout",
+    type=float,
+    default=defaults.SESSION_TIMEOUT,
+    show_default=True,
+    envvar="ZKQ_SESSION_TIMEOUT",
+    help="Session timeout, seconds.",
+)
+@click.option(
+    "--connect-timeout",
+    type=float,
+    default=defaults.CONNECT_TIMEOUT,
+    show_default=True,
+    envvar="ZKQ_CONNECT_TIMEOUT",
+    help="Give up reaching ZooKeeper after this many seconds.",
+)
+@click.option(
+    "--auth",
+    default=None,
+    envvar="ZKQ_AUTH",
+    metavar="USER:PASSWORD",
+    help="Digest authentication; zkq's nodes are then readable and writable by this identity only.",
+)
+@click.option("--tls-ca", default=None, envvar="ZKQ_TLS_CA", help="CA file: connect with TLS.")
+@click.option("--tls-cert", default=None, envvar="ZKQ_TLS_CERT", help="Client certificate (PEM).")
+@click.option("--tls-key", default=None, envvar="ZKQ_TLS_KEY", help="Client key (PEM).")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    envvar="ZKQ_LOG_FORMAT",
+    help="json: one JSON object per line, for log aggregation.",
+)
+@click.option(
+    "--log-level",
+    default="WARNING",
+    envvar="ZKQ_LOG_LEVEL",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    zk: str,
+    root: str,
+    session_timeout: float,
+    connect_timeout: float,
+    log_level: str,
+    log_format: str,
+    **security: str | None,
+) -> None:
+    """zkq: a priority job queue for GPU inference on ZooKeeper.
+
+    \b
+    Examples:
+      zkq worker --queue default --runner echo &
+      zkq submit --priority high "Hello"
+      zkq submit --detach --json "Summarize this" | jq -r .id
+      zkq status ID; zkq result ID --wait --timeout 60
+    """
+    configure_logging(log_level, log_format)
+    ctx.obj = {
+        "zk": zk,
+        "root": root,
+        "session_timeout": session_timeout,
+        "connect_timeout": connect_timeout,
+        **security,
+    }
+
+
+for _command in (
+    jobs.submit,
+    jobs.result,
+    jobs.status,
+    jobs.cancel,
+    jobs.ls,
+    ops.stats,
+    ops.workers,
+    ops.dead,
+    ops.requeue,
+    ops.queue_limit,
+    ops.top,
+    ops.metrics,
+    ops.completion,
+):
+    cli.add_command(_command)
+
+
+def _add_plugins(group: click.Group) -> None:
+    for point in entry_points(group="zkq.commands"):
+        try:
+            command = point.load()
+        except ImportError as exc:
+            command = _missing(point, exc)
+        group.add_command(command, point.name)
+
+
+def _missing(point: EntryPoint, exc: ImportError) -> click.Command:
+    """A stand-in for a plugin whose imports fail: it says what is missing (exit 7)."""
+    extra = point.value.split(".", 1)[0]
+
+    def explain(**_: Any) -> None:
+        click.echo(
+            f"zkq: '{point.name}' needs packages that are not installed ({exc}); "
+            f"install them with: pip install 'zkq[{extra}]'",
+            err=True,
+        )
+        sys.exit(ExitCode.CONFIGURATION)
+
+    return click.Command(
+        point.name,
+        callback=explain,
+        help=f"(not installed: pip install 'zkq[{extra}]')",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )
+
+
+_add_plugins(cli)
+
+
+def main() -> None:
+    cli(prog_name="zkq")

@@ -1,0 +1,166 @@
+"""Operator commands: stats, workers, dead letters, requeue, queue limits, top, metrics and shell
+completion."""
+
+from __future__ import annotations
+
+import click
+
+from zkqueue.cli.common import emit, handles_errors, open_client
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Depth per queue and priority, running jobs, idle slots and workers."""
+    with open_client(ctx) as client:
+        data = client.stats()
+    if as_json:
+        emit(data)
+        return
+    for name, q in data["queues"].items():
+        depth = " ".join(f"{p}={n}" for p, n in q["depth"].items())
+        click.echo(
+            f"{name}: {depth}  pending={q['pending']} running={q['running']} "
+            f"idle_workers={q['idle_workers']} results={q['results']} dead={q['dead']}"
+        )
+    click.echo(f"workers: {data['workers']}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def workers(ctx: click.Context, as_json: bool) -> None:
+    """Registered workers: queue, runner, slots, memory, running jobs."""
+    with open_client(ctx) as client:
+        records = client.workers()
+    if as_json:
+        emit(records)
+        return
+    for r in records:
+        mem = r.get("memory") or {}
+        mem_text = (
+            f" mem free {mem.get('free', 0) / 2**20:.0f}/{mem.get('total', 0) / 2**20:.0f} MiB"
+            if mem
+            else ""
+        )
+        click.echo(
+            f"{r['id']}  queue={r['queue']} {r['runner']} {r['state']} "
+            f"slots {r['slots_busy']}/{r['slots_max']}{mem_text} "
+            f"running={','.join(r['running']) or '-'}"
+        )
+
+
+@click.command()
+@click.option("--queue", default=None, help="Only this queue.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
+    """List dead-lettered jobs with the reason (malformed entries, poison jobs)."""
+    with open_client(ctx) as client:
+        letters = client.dead(queue)
+    if as_json:
+        emit(letters)
+        return
+    for x in letters:
+        click.echo(f"{x.get('id') or '-'}  {x['queue']}/{x['priority']}  {x['reason']}")
+
+
+@click.command()
+@click.argument("job_id", required=False)
+@click.option("--all", "all_", is_flag=True, help="Requeue every dead letter with a valid spec.")
+@click.option("--queue", default=None, help="Only this queue.")
+@click.pass_context
+@handles_errors
+def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | None) -> None:
+    """Enqueue a dead-lettered job again (same id, attempts from zero).
+
+    \b
+    Examples:
+      zkq requeue 8f3a2c1d9e4b7a60
+      zkq requeue --all --queue llama
+    """
+    if bool(job_id) == all_:
+        raise click.UsageError("give a job id or --all")
+    with open_client(ctx) as client:
+        jobs = client.requeue(job_id, queue)
+    for job in jobs:
+        click.echo(f"requeued {job.id} ({job.queue}/{job.priority})")
+    if all_ and not jobs:
+        click.echo("nothing to requeue", err=True)
+
+
+@click.command("queue-limit")
+@click.argument("queue")
+@click.option(
+    "--max-pending",
+    type=int,
+    default=None,
+    help="Most jobs that may wait in QUEUE (omit for no limit).",
+)
+@click.pass_context
+@handles_errors
+def queue_limit(ctx: click.Context, queue: str, max_pending: int | None) -> None:
+    """Set a queue's backpressure limit: beyond it submit fails fast (exit 5)."""
+    with open_client(ctx) as client:
+        client.set_max_pending(queue, max_pending)
+    click.echo(f"{queue}: max pending {max_pending or 'unlimited'}")
+
+
+@click.command()
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Refresh, seconds.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (for pipes and scripts).")
+@click.pass_context
+@handles_errors
+def top(ctx: click.Context, interval: float, once: bool) -> None:
+    """Live view of queues, workers and recent results; q quits.
+
+    \b
+    Example:
+      zkq --zk zk1:2181 top --interval 1
+    """
+    from zkqueue.top import run_top
+
+    with open_client(ctx) as client:
+        run_top(client, interval=interval, once=once)
+
+
+@click.command()
+@click.option("--port", type=int, default=9464, show_default=True)
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.pass_context
+@handles_errors
+def metrics(ctx: click.Context, port: int, addr: str) -> None:
+    """Serve cluster-wide Prometheus gauges read from ZooKeeper (depth per queue and priority,
+    oldest pending age, workers per queue) until SIGTERM.
+
+    \b
+    Example:
+      zkq metrics --port 9464 &   curl -s localhost:9464/metrics | grep zkq_queue_depth
+    """
+    from zkqueue.exporter import run_exporter
+
+    with open_client(ctx) as client:
+        run_exporter(client, port, addr)
+
+
+@click.command()
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell: str) -> None:
+    """Print the shell completion script.
+
+    \b
+    Example:
+      zkq completion bash > /etc/bash_completion.d/zkq
+      eval "$(zkq completion zsh)"
+    """
+    from click.shell_completion import get_completion_class
+
+    cls = get_completion_class(shell)
+    if cls is None:  # pragma: no cover - the choice above lists the supported shells
+        raise click.UsageError(f"no completion for {shell}")
+    root = click.get_current_context().find_root().command
+    click.echo(cls(root, {}, "zkq", "_ZKQ_COMPLETE").source())
