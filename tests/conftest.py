@@ -19,6 +19,7 @@ from kazoo.client import KazooClient
 from kazoo.protocol.states import Callback
 
 from workers.loop import Worker
+from workers.options import WorkerOptions
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
@@ -140,9 +141,15 @@ def start_worker(
     started: list[WorkerThread] = []
 
     def start(runner: Runner | None = None, **kwargs: Any) -> WorkerThread:
+        """A worker thread; ``kwargs`` are WorkerOptions fields (``slots`` is max_concurrency)
+        and the Worker's ``admission``/``metrics``."""
         kwargs.setdefault("heartbeat_interval", 0.5)
         zk = new_zk(kwargs.pop("session_timeout", 4.0))
-        handle = WorkerThread(Worker(zk, runner or EchoRunner(), root=root, **kwargs)).start()
+        if "slots" in kwargs:
+            kwargs["max_concurrency"] = kwargs.pop("slots")
+        parts = {k: kwargs.pop(k) for k in ("admission", "metrics") if k in kwargs}
+        opts = WorkerOptions(root=root, **kwargs)
+        handle = WorkerThread(Worker(zk, runner or EchoRunner(), opts, **parts)).start()
         started.append(handle)
         return handle
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from workers.runners.base import Outcome, RunningJob
+from workers.runners.base import Outcome, RunningJob, ThreadedRunner
 from workers.runners.echo import EchoRunner
-from zkqueue import result
+from zkqueue.result import Status
 
 
 class RecordingRunner(EchoRunner):
@@ -18,41 +18,33 @@ class RecordingRunner(EchoRunner):
         self.seen: list[str] = []
         self._lock = threading.Lock()
 
-    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
+    def submit(self, job: RunningJob) -> None:
         with self._lock:
-            self.seen.extend(j.spec.prompt for j in jobs)
-        return super().run(jobs)
+            self.seen.append(job.spec.prompt)
+        super().submit(job)
 
 
-class GateRunner:
+class GateRunner(ThreadedRunner):
     """Holds every job until ``gate`` is set (or the job is cancelled), then echoes it."""
 
     name = "gate"
 
     def __init__(self) -> None:
+        super().__init__()
         self.gate = threading.Event()
         self.started = threading.Event()
         self.running: list[RunningJob] = []
         self.finished: list[tuple[str, str]] = []
 
-    def describe(self) -> dict[str, Any]:
-        return {"runner": "gate"}
-
-    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-        self.running.extend(jobs)
+    def run_one(self, job: RunningJob) -> Outcome:
+        self.running.append(job)
         self.started.set()
-        outcomes = []
-        for job in jobs:
-            while not self.gate.wait(0.01):
-                if job.cancelled.is_set():
-                    break
-            status = result.CANCELLED if job.cancelled.is_set() else result.SUCCEEDED
-            self.finished.append((job.id, status))
-            outcomes.append(Outcome(status, output=job.spec.prompt))
-        return outcomes
-
-    def close(self) -> None:
-        pass
+        while not self.gate.wait(0.01):
+            if job.cancelled.is_set():
+                break
+        status = Status.CANCELLED if job.cancelled.is_set() else Status.SUCCEEDED
+        self.finished.append((job.id, status))
+        return Outcome(status, output=job.spec.prompt)
 
 
 def generate_directly(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:

@@ -1,4 +1,4 @@
-"""Prometheus metrics: a worker's own (zkqueue/metrics.py) and the cluster's, read from a real
+"""Prometheus metrics: a worker's own (workers/metrics.py) and the cluster's, read from a real
 ZooKeeper on each scrape (zkqueue/exporter.py), including scrapes while ZooKeeper is away."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from tests.conftest import wait_for
+from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.exporter import ClusterCollector, collect_once, read_cluster, serve_cluster_metrics
-from zkqueue.metrics import WorkerMetrics
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -65,8 +65,8 @@ def test_job_finished_counts_and_observes() -> None:
 def test_gauges_and_counters_follow_the_calls() -> None:
     m = WorkerMetrics()
     m.batch("default", 5)
-    m.memory(total=8 * 2**30, free=5 * 2**30, reserved=2**30)
-    m.estimated_need("default", 3 * 2**20)
+    m.cache(total=96, promised=40)
+    m.job_pages("default", 3)
     m.slots(busy=2, max=4)
     m.lease_renewed(3)
     m.lease_renewed(0)
@@ -75,11 +75,11 @@ def test_gauges_and_counters_follow_the_calls() -> None:
     text = exposition(m)
     assert value(text, "zkq_batch_size_bucket", queue="default", le="4.0") == 0
     assert value(text, "zkq_batch_size_bucket", queue="default", le="6.0") == 1
-    assert value(text, "zkq_memory_bytes", kind="total") == 8 * 2**30
-    assert value(text, "zkq_memory_bytes", kind="free") == 5 * 2**30
-    assert value(text, "zkq_memory_bytes", kind="reserved") == 2**30
-    need_le = {"queue": "default", "le": floatToGoString(2**22)}  # "4.194304e+06"
-    assert value(text, "zkq_job_memory_need_bytes_bucket", **need_le) == 1
+    assert value(text, "zkq_kv_cache_pages", kind="total") == 96
+    assert value(text, "zkq_kv_cache_pages", kind="promised") == 40
+    need_le = {"queue": "default", "le": floatToGoString(4)}
+    assert value(text, "zkq_job_kv_pages_bucket", **need_le) == 1
+    assert value(text, "zkq_job_kv_pages_bucket", queue="default", le=floatToGoString(2)) == 0
     assert value(text, "zkq_slots", state="busy") == 2
     assert value(text, "zkq_slots", state="max") == 4
     assert value(text, "zkq_lease_renewals_total") == 3

@@ -15,6 +15,7 @@ from kazoo.security import make_digest_acl
 
 from tests.conftest import WorkerThread, _env
 from workers.loop import Worker
+from workers.options import WorkerOptions
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.connection import ConnectionSettings, connect
@@ -37,7 +38,9 @@ def worker_with(root: str) -> Iterator[Callable[[ConnectionSettings], WorkerThre
 
     def start(settings: ConnectionSettings) -> WorkerThread:
         zk = connect(settings)
-        handle = WorkerThread(Worker(zk, EchoRunner(), root=root, heartbeat_interval=0.5))
+        handle = WorkerThread(
+            Worker(zk, EchoRunner(), WorkerOptions(root=root, heartbeat_interval=0.5))
+        )
         started.append((handle.start(), zk))
         return handle
 

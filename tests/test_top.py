@@ -14,13 +14,11 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import wait_for
-from workers.memory import StaticBudget
+from workers.admission import Admission
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.exporter import ClusterState, QueueState
 from zkqueue.top import TopSnapshot, memory_bar, render, run_top, snapshot, throughput
-
-GIB = 2**30
 
 
 def text_of(renderable: Any) -> str:
@@ -32,9 +30,9 @@ def text_of(renderable: Any) -> str:
 @pytest.fixture
 def populated(client: Client, start_worker) -> dict[str, Any]:
     """A queue served by a worker (five finished jobs, one running) and a backlog nobody serves."""
-    handle = start_worker(
-        EchoRunner(delay=0), queue="default", slots=2, memory=StaticBudget(8 * GIB, 3 * GIB)
-    )
+    cache = Admission(pages_total=8, page_tokens=16, count_tokens=lambda spec: 16)
+    cache.reserve(3)  # as if jobs in flight held 3 of the 8 pages
+    handle = start_worker(EchoRunner(delay=0), queue="default", slots=2, admission=cache)
     done = client.submit_many([f"job {i}" for i in range(5)], queue="default")
     wait_for(lambda: all(j.status() == "succeeded" for j in done), message="five results")
     backlog = client.submit_many(["a", "b", "c"], queue="backlog", priority="high")
@@ -90,7 +88,7 @@ def test_render_shows_queues_workers_memory_and_results(
     assert cells[1:6] == ["backlog", "3", "0", "1", "4"]  # depth high, normal, low; waiting
     worker_row = next(line for line in text.splitlines() if populated["worker"] in line)
     assert "echo" in worker_row and "running" in worker_row and "0/2" in worker_row
-    assert "████░░░░░░░░ 3.0/8.0 GiB" in worker_row  # weights take 3 of 8 GiB
+    assert "████░░░░░░░░ 3/8 pages" in worker_row
     for job in populated["done"]:
         assert job.id in text
     assert "succeeded" in text
@@ -104,10 +102,10 @@ def test_run_top_once_prints_one_frame(client: Client, populated: dict[str, Any]
 
 def test_memory_bar() -> None:
     assert memory_bar(None).plain == "-"
-    assert memory_bar({"total": 8 * GIB, "free": 2 * GIB}, width=8).plain == (
-        "██████░░ 6.0/8.0 GiB"
+    assert memory_bar({"pages_total": 8, "pages_promised": 6}, width=8).plain == (
+        "██████░░ 6/8 pages"
     )
-    assert memory_bar({"total": 4 * GIB, "free": 4 * GIB}, width=4).plain == "░░░░ 0.0/4.0 GiB"
+    assert memory_bar({"pages_total": 4, "pages_promised": 0}, width=4).plain == "░░░░ 0/4 pages"
 
 
 def fake(workers: list[dict[str, Any]], at: float, queues: tuple[str, ...] = ("a", "b")) -> Any:

@@ -46,8 +46,10 @@ class Admission:
         page_tokens: int = 1,
         count_tokens: Callable[[JobSpec], int] | None = None,
         validate: Callable[[JobSpec], str | None] | None = None,
+        pages_in_use: Callable[[], int | None] | None = None,
     ) -> None:
         self.pages_total = pages_total
+        self._in_use = pages_in_use
         self.page_tokens = page_tokens
         self._count = count_tokens
         self._validate = validate
@@ -63,6 +65,10 @@ class Admission:
     def capacity_tokens(self) -> int | None:
         """Positions the whole cache holds (comparable across workers with other page sizes)."""
         return None if self.pages_total is None else self.pages_total * self.page_tokens
+
+    def in_use(self) -> int | None:
+        """Pages the engine's cache holds now, where the engine can tell."""
+        return None if self._in_use is None else self._in_use()
 
     def pages_for(self, spec: JobSpec) -> int:
         """Pages ``spec`` takes at its longest: its prompt plus every token it may generate."""

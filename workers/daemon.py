@@ -10,13 +10,13 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from workers.admission import Admission
-from workers.kvcache import format_size
 from workers.loop import Worker, default_worker_id
-from workers.memory import MemoryProbe
+from workers.metrics import WorkerMetrics
 from workers.options import WorkerOptions
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
@@ -25,78 +25,35 @@ from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.errors import ConfigurationError
 from zkqueue.janitor import Janitor, JanitorService
 from zkqueue.layout import Layout
-from zkqueue.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from kazoo.client import KazooClient
 
-    from workers.runners.hf import HFRunner
-
 log = logging.getLogger("zkq.daemon")
 
 
-def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe | None]:
-    """The runner, its admission rule and its memory probe. A model is loaded here, so a model
-    that fails to load is an error before the worker registers."""
+def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
+    """The runner and its admission rule. A model is loaded here (and its cache sized), so a
+    model that fails to load is an error before the worker registers."""
     if opts.max_concurrency < 1:
         raise ConfigurationError("--max-concurrency must be at least 1")
     if opts.model is None and opts.runner == "echo":
-        return EchoRunner(delay=opts.echo_delay), Admission(), None
+        return EchoRunner(delay=opts.echo_delay), Admission()
     if opts.model is None:
         raise ConfigurationError("the hf runner needs --model DIR")
+    from workers.model import build_model_runner  # imports torch: only for model workers
+
     return build_model_runner(opts)
-
-
-def build_model_runner(opts: WorkerOptions) -> tuple[Runner, Admission, MemoryProbe]:
-    from workers.runners.hf import HFRunner  # imports torch: only for model workers
-
-    runner = HFRunner(
-        opts.model or "",
-        device=opts.device,
-        dtype=opts.dtype,
-        max_batch=opts.max_concurrency,
-        slow_after=opts.slow_after,
-        default_max_runtime=opts.max_runtime,
-    )
-    try:
-        admission, probe = memory_admission(runner, opts.vram_budget, opts.vram_reserve)
-    except ConfigurationError:
-        runner.close()
-        raise
-    return runner, admission, probe
-
-
-def memory_admission(
-    runner: HFRunner, budget: int | None, reserve: int
-) -> tuple[Admission, MemoryProbe]:
-    """Admission by estimated need against the device's free memory (or a static budget)."""
-    from workers.memory import make_probe
-
-    probe = make_probe(str(runner.describe()["device"]), budget, runner.weight_bytes)
-    capacity = probe.snapshot().free - reserve
-    if capacity <= 0:
-        raise ConfigurationError(
-            f"no device memory left for jobs: weights take {format_size(runner.weight_bytes)}, "
-            f"free {format_size(probe.snapshot().free)}, reserve {format_size(reserve)}"
-        )
-    admission = Admission(
-        estimate=runner.batch_need_bytes,
-        free=lambda: probe.snapshot().free,
-        capacity=capacity,
-        validate=runner.validate,
-        keep_free=reserve,
-    )
-    return admission, probe
 
 
 def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
     """Run until stopped; returns the process exit code."""
-    runner, admission, memory = build_runner(opts)  # a bad model fails before registering
+    runner, admission = build_runner(opts)  # a bad model fails before registering
     try:
         zk = connect(settings)
         try:
             with mapped_errors(settings.hosts):
-                _serve(zk, opts.root, opts, runner, admission, memory)
+                _serve(zk, opts, runner, admission)
             return 0
         finally:
             close(zk)
@@ -104,32 +61,16 @@ def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
         runner.close()
 
 
-def _serve(
-    zk: KazooClient,
-    root: str,
-    opts: WorkerOptions,
-    runner: Runner,
-    admission: Admission,
-    memory: MemoryProbe | None,
-) -> None:
+def _serve(zk: KazooClient, opts: WorkerOptions, runner: Runner, admission: Admission) -> None:
     notifier = Notifier()
     metrics = WorkerMetrics()
     server = metrics.serve(opts.metrics_port, opts.metrics_addr) if opts.metrics_port else None
+    loop_opts = replace(opts, heartbeat_interval=_heartbeat(opts, notifier))
     worker = Worker(
         zk,
         runner,
-        queue=opts.queue,
-        root=root,
-        slots=opts.max_concurrency,
-        name=opts.name,
-        max_jobs=opts.max_jobs,
-        burst=opts.burst,
-        drain_timeout=opts.drain_timeout,
-        heartbeat_interval=_heartbeat(opts, notifier),
-        lease=opts.lease,
-        max_attempts=opts.max_attempts,
+        loop_opts,
         admission=admission,
-        memory=memory,
         metrics=metrics,
         on_heartbeat=_watchdog(notifier),
     )
@@ -145,7 +86,7 @@ def _serve(
             opts.max_concurrency,
         )
 
-    janitor = _start_janitor(zk, root, worker.id, opts)
+    janitor = _start_janitor(zk, opts.root, worker.id, opts)
     try:
         worker.run(on_ready=ready)
     finally:

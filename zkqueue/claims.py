@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
@@ -45,8 +45,8 @@ class Candidate:
     data: bytes
     stat: ZnodeStat
     spec: JobSpec
-    #: Estimated memory need in bytes (0 when the worker does not judge memory).
-    need: int = 0
+    #: KV-cache pages admission promised the job (0 when the worker has no cache).
+    pages: int = 0
 
 
 @dataclass
@@ -129,27 +129,36 @@ class Claims:
     def complete(self, claim: Claim, record: Result, line: Line | None) -> bool:
         """Write the result and remove the job, fenced by the token. False if we were fenced
         out (cancelled, reclaimed, or our session is gone): nothing was written."""
-        try:
-            data = record.to_bytes()
-        except ResultTooLarge as exc:
-            record.status, record.output, record.error = results.FAILED, "", str(exc)
-            data = record.to_bytes()
+        return self.complete_many([(claim, record)], line)[0]
+
+    def complete_many(self, done: list[tuple[Claim, Result]], line: Line | None) -> list[bool]:
+        """Complete several jobs in one multi, each fenced by its own token (and rejoin the line
+        after them when ``line`` is given). A fenced job fails the whole multi, so then each is
+        tried alone: only the fenced one fails. Returns whether each was completed."""
         txn = self.zk.transaction()
-        txn.check(self.entry_path(claim.priority, claim.entry), claim.token)
-        txn.create(self.layout.result(self.queue, claim.id), data)
-        txn.delete(self.entry_path(claim.priority, claim.entry), claim.token)
-        txn.delete(self.layout.claim(self.queue, claim.entry.name))
+        for claim, record in done:
+            self._add_complete(txn, claim, _result_bytes(record))
         if line is not None:
             line.add_join(txn)
         outcome = txn.commit()
-        if transaction_failed(outcome):
+        if not transaction_failed(outcome):
+            if line is not None:
+                line.committed(False, outcome[-1])
+            return [True] * len(done)
+        if len(done) == 1:
+            claim = done[0][0]
             log.warning(
                 "job %s: result not written, fenced out (%s)", claim.id, _first_error(outcome)
             )
-            return False
-        if line is not None:
-            line.committed(False, outcome[-1])
-        return True
+            return [False]
+        return [self.complete(claim, record, None) for claim, record in done]
+
+    def _add_complete(self, txn: TransactionRequest, claim: Claim, data: bytes) -> None:
+        entry = self.entry_path(claim.priority, claim.entry)
+        txn.check(entry, claim.token)
+        txn.create(self.layout.result(self.queue, claim.id), data)
+        txn.delete(entry, claim.token)
+        txn.delete(self.layout.claim(self.queue, claim.entry.name))
 
     def renew(self, claims: list[Claim]) -> list[Claim]:
         """Renew the leases (a write bumps the claim's server-side mtime, which the janitor
@@ -323,6 +332,15 @@ def _first_error(outcome: list[Any]) -> str:
         if isinstance(r, Exception) and type(r).__name__ != "RolledBackError":
             return type(r).__name__
     return "unknown"
+
+
+def _result_bytes(record: Result) -> bytes:
+    """The record's JSON; one over the size limit becomes a failure that says so."""
+    try:
+        return record.to_bytes()
+    except ResultTooLarge as exc:
+        record.status, record.output, record.error = results.FAILED, "", str(exc)
+        return record.to_bytes()
 
 
 def _raw_payload(data: bytes) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -9,14 +10,27 @@ from typing import Any
 from zkqueue import defaults
 from zkqueue.errors import ResultTooLarge
 
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-CANCELLED = "cancelled"
-EXPIRED = "expired"
-TIMEOUT = "timeout"
-REJECTED = "rejected"
-DEAD = "dead"
-STATUSES = (SUCCEEDED, FAILED, CANCELLED, EXPIRED, TIMEOUT, REJECTED, DEAD)
+
+class Status(enum.StrEnum):
+    """How a job ended; the value is the wire string in the result record."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"
+    DEAD = "dead"
+
+
+SUCCEEDED = Status.SUCCEEDED
+FAILED = Status.FAILED
+CANCELLED = Status.CANCELLED
+EXPIRED = Status.EXPIRED
+TIMEOUT = Status.TIMEOUT
+REJECTED = Status.REJECTED
+DEAD = Status.DEAD
+STATUSES = tuple(Status)
 
 
 @dataclass

@@ -262,7 +262,7 @@ def _queues_table(snap: TopSnapshot, rates: dict[str, float | None], now: float)
 
 def _workers_table(snap: TopSnapshot, now: float) -> Table:
     table = Table(title="workers", title_justify="left")
-    for name in ("worker", "queue", "model", "device", "state", "slots", "memory used"):
+    for name in ("worker", "queue", "model", "device", "state", "slots", "kv cache"):
         table.add_column(name)
     table.add_column("running")
     table.add_column("heartbeat", justify="right")
@@ -303,23 +303,19 @@ def _results_table(snap: TopSnapshot, now: float) -> Table:
     return table
 
 
-def memory_bar(memory: dict[str, Any] | None, width: int = _BAR) -> Text:
-    """Used device memory (total minus free for new jobs) as a bar with figures:
-    ``████░░░░ 2.0/8.0 GiB``; ``-`` when the worker reports no memory."""
-    if not memory or not memory.get("total"):
+def memory_bar(cache: dict[str, Any] | None, width: int = _BAR) -> Text:
+    """The KV-cache pages promised to jobs in flight as a bar with figures:
+    ``████░░░░ 48/96 pages``; ``-`` when the worker has no cache (echo)."""
+    if not cache or not cache.get("pages_total"):
         return Text("-")
-    total = int(memory["total"])
-    used = min(total, max(0, total - int(memory.get("free") or 0)))
+    total = int(cache["pages_total"])
+    used = min(total, max(0, int(cache.get("pages_promised") or 0)))
     filled = round(width * used / total)
     share = used / total
     style = "red" if share > 0.9 else "yellow" if share > 0.7 else "green"
     return Text.assemble(
-        ("█" * filled, style), ("░" * (width - filled), "dim"), f" {_gib(used)}/{_gib(total)} GiB"
+        ("█" * filled, style), ("░" * (width - filled), "dim"), f" {used}/{total} pages"
     )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f}"
 
 
 def _job_ids(ids: list[str], shown: int = 3) -> str:

@@ -19,9 +19,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zkqueue.spec import JobSpec
+
+if TYPE_CHECKING:
+    from zkqueue.claims import Claim
 
 log = logging.getLogger("zkq.runner")
 
@@ -63,6 +66,29 @@ class RunningJob:
     #: Called once (on the canceller's thread) when the job is cancelled: runners whose engine
     #: must be told (abort a request) set it in ``submit``.
     on_cancel: Callable[[RunningJob], None] | None = None
+
+    # -- the worker's bookkeeping (runners ignore these) ---------------------------------------
+    #: The claim this worker holds on the job's entry (None for a runner tested alone).
+    claim: Claim | None = None
+    #: KV-cache pages admission promised the job.
+    pages: int = 0
+    #: Partial output last written to the claim (streaming jobs).
+    published: str = ""
+    #: Whether the watch on its entry is set (connection trouble can prevent it).
+    watched: bool = False
+
+    @classmethod
+    def from_claim(cls, claim: Claim, pages: int = 0) -> RunningJob:
+        return cls(
+            id=claim.id,
+            spec=claim.spec,
+            priority=claim.priority,
+            queue=claim.queue,
+            attempts=claim.token,
+            claimed_at=claim.claimed_at,
+            claim=claim,
+            pages=pages,
+        )
 
     def cancel(self, reason: CancelReason) -> None:
         if self.cancel_reason is None:

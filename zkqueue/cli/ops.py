@@ -40,10 +40,10 @@ def workers(ctx: click.Context, as_json: bool) -> None:
         emit(records)
         return
     for r in records:
-        mem = r.get("memory") or {}
+        cache = r.get("memory") or {}
         mem_text = (
-            f" mem free {mem.get('free', 0) / 2**20:.0f}/{mem.get('total', 0) / 2**20:.0f} MiB"
-            if mem
+            f" kv pages {cache.get('pages_promised', 0)}/{cache.get('pages_total', 0)}"
+            if cache
             else ""
         )
         click.echo(

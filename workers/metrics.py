@@ -21,10 +21,10 @@ from zkqueue import result as results
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 #: Seconds a job ran: from an echo job's milliseconds to a long generation's minutes.
 RUN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
-#: Jobs per batched generate call.
+#: Jobs claimed in one head turn.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-#: Estimated device memory per job: powers of two from 64 KiB to 64 GiB.
-MEMORY_BUCKETS = tuple(float(2**n) for n in range(16, 37))
+#: KV-cache pages promised per job: powers of two from 1 to 64k.
+PAGE_BUCKETS = tuple(float(2**n) for n in range(17))
 #: The connection states kazoo reports (kazoo.protocol.states.KazooState values).
 CONNECTION_STATES = ("CONNECTED", "SUSPENDED", "LOST")
 
@@ -60,22 +60,22 @@ class WorkerMetrics:
         )
         self.batch_size = Histogram(
             "zkq_batch_size",
-            "Jobs per batch handed to the runner.",
+            "Jobs claimed in one head turn.",
             ["queue"],
             buckets=BATCH_BUCKETS,
             registry=reg,
         )
-        self.memory_bytes = Gauge(
-            "zkq_memory_bytes",
-            "Device memory: total, free for new jobs, reserved by running jobs.",
+        self.cache_pages = Gauge(
+            "zkq_kv_cache_pages",
+            "The worker's KV cache: pages in all, promised to jobs in flight.",
             ["kind"],
             registry=reg,
         )
         self.need = Histogram(
-            "zkq_job_memory_need_bytes",
-            "Estimated device memory of each admitted job.",
+            "zkq_job_kv_pages",
+            "KV-cache pages promised to each admitted job.",
             ["queue"],
-            buckets=MEMORY_BUCKETS,
+            buckets=PAGE_BUCKETS,
             registry=reg,
         )
         self.slot_gauge = Gauge(
@@ -123,18 +123,17 @@ class WorkerMetrics:
             self.tokens.labels(queue).inc(tokens)
 
     def batch(self, queue: str, size: int) -> None:
-        """A batch of ``size`` jobs went to the runner."""
+        """One head turn claimed ``size`` jobs."""
         self.batch_size.labels(queue).observe(size)
 
-    def memory(self, total: int, free: int, reserved: int) -> None:
-        """The memory probe's latest reading, in bytes (see workers/memory.py)."""
-        self.memory_bytes.labels("total").set(total)
-        self.memory_bytes.labels("free").set(free)
-        self.memory_bytes.labels("reserved").set(reserved)
+    def cache(self, total: int, promised: int) -> None:
+        """The worker's KV cache, in pages: its size and what jobs in flight were promised."""
+        self.cache_pages.labels("total").set(total)
+        self.cache_pages.labels("promised").set(promised)
 
-    def estimated_need(self, queue: str, need: int) -> None:
-        """The admission estimate, in bytes, of a job this worker claimed."""
-        self.need.labels(queue).observe(need)
+    def job_pages(self, queue: str, pages: int) -> None:
+        """Admission promised a job this worker claimed ``pages`` KV-cache pages."""
+        self.need.labels(queue).observe(pages)
 
     def slots(self, busy: int, max: int) -> None:
         """Slots running a job now, and the worker's slots in all."""

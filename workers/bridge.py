@@ -1,0 +1,137 @@
+"""The runner bridge: hands each claimed job to the runner at once, watches its entry while it
+runs (a cancel, a withdrawal or a reclaim stops it), publishes streaming output, and turns the
+runner's reports into loop events.
+
+Watches and the runner's ``done`` calls arrive on other threads; they only post events to the
+loop. Everything that touches ZooKeeper state runs on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.protocol.states import EventType, WatchedEvent
+
+from workers.runners.base import CancelReason, Runner, RunningJob
+from zkqueue import defaults
+from zkqueue.claims import Claims
+from zkqueue.logs import job_context
+
+log = logging.getLogger("zkq.worker")
+
+
+class RunnerBridge:
+    """Between the loop's held jobs and the runner. ``post`` puts an event on the loop."""
+
+    def __init__(
+        self,
+        zk: KazooClient,
+        runner: Runner,
+        claims: Claims,
+        held: dict[str, RunningJob],
+        post: Callable[..., None],
+        worker_id: str,
+    ) -> None:
+        self.zk = zk
+        self.runner = runner
+        self.claims = claims
+        self.held = held
+        self.post = post
+        self.worker_id = worker_id
+        self.next_publish = float("inf")
+
+    def start(self) -> None:
+        self.runner.start(lambda job, outcome: self.post("done", job, outcome))
+
+    def hand_in(self, jobs: list[RunningJob]) -> None:
+        """Start the jobs, then watch their entries (pipelined). Connection trouble while
+        watching must not leave claimed jobs that never run: they start first, and the sweep
+        after the reconnect sets the watches that are missing."""
+        for job in jobs:
+            self.held[self.key(job)] = job
+            self.runner.submit(job)
+            log.info("claimed (attempt %d)", job.attempts, extra=self.context(job))
+        if any(job.spec.stream for job in jobs):
+            self.next_publish = min(self.next_publish, time.monotonic() + defaults.STREAM_INTERVAL)
+        self.watch(jobs)
+
+    def watch(self, jobs: list[RunningJob]) -> None:
+        """Watch each running job's entry (cancel, withdrawal, reclaim), pipelined."""
+        calls = [
+            (job, self.zk.exists_async(self._entry(job), watch=self._watch(job))) for job in jobs
+        ]
+        for job, call in calls:
+            stat = call.get()
+            job.watched = True
+            if stat is None:
+                job.cancel(CancelReason.CANCELLED)
+            elif job.claim is not None and stat.version != job.claim.token:
+                job.cancel(CancelReason.FENCED)
+
+    def entry_changed(self, key: str, event_type: str, watched: RunningJob) -> None:
+        job = self.held.get(key)
+        if job is not watched:
+            return  # a watch from an earlier claim of this entry (our own re-claim fired it)
+        if event_type == EventType.DELETED:
+            job.cancel(CancelReason.CANCELLED)
+        elif event_type == EventType.CHANGED:
+            job.cancel(CancelReason.FENCED)
+
+    def publish(self) -> list[RunningJob]:
+        """Write streaming jobs' output so far into their claims' bodies, at most every
+        STREAM_INTERVAL seconds and only when it changed; returns the jobs to renew (the renewal
+        writes the bodies)."""
+        streaming = [
+            j for j in self.held.values() if j.spec.stream and j.cancel_reason is None and j.claim
+        ]
+        now = time.monotonic()
+        if not streaming:
+            self.next_publish = float("inf")
+            return []
+        if now < self.next_publish:
+            return []
+        self.next_publish = now + defaults.STREAM_INTERVAL
+        changed = []
+        for job in streaming:
+            text = job.partial_text()
+            if text != job.published and job.claim is not None:
+                job.published = text
+                self.claims.set_partial(job.claim, text)
+                changed.append(job)
+        return changed
+
+    def cancel_all(self, reason: CancelReason) -> None:
+        for job in self.held.values():
+            job.cancel(reason)
+
+    @staticmethod
+    def key(job: RunningJob) -> str:
+        assert job.claim is not None
+        return job.claim.entry.name
+
+    def context(self, job: RunningJob) -> dict[str, str]:
+        return job_context(job.id, job.queue, job.priority, self.worker_id)
+
+    def _entry(self, job: RunningJob) -> str:
+        assert job.claim is not None
+        return self.claims.entry_path(job.claim.priority, job.claim.entry)
+
+    def _watch(self, job: RunningJob) -> Callable[[WatchedEvent], None]:
+        key = self.key(job)
+
+        def watch(event: WatchedEvent) -> None:
+            self.post("entry", key, event.type, job)
+
+        return watch
+
+
+def describe(runner: Runner) -> dict[str, Any]:
+    """The runner's figures for the registration (never fails the worker)."""
+    try:
+        return dict(runner.describe())
+    except Exception as exc:  # a describe bug must not stop a worker from registering
+        return {"error": repr(exc)}

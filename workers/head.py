@@ -1,0 +1,198 @@
+"""The head turn: the serial part of dispatch. At the head of the line, read the lowest pending
+entries, judge each (dead-letter garbage and poison, expire what waited too long, reject what can
+never run, leave what does not fit now), and claim what this worker admits in one multi.
+
+Only the loop's thread calls it. It reads only as many entries as it can claim (more only when
+some are refused), so its turn stays short whatever the depth of the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from workers.admission import Admission, Verdict
+from workers.metrics import WorkerMetrics
+from zkqueue.claims import Candidate, Claim, Claims
+from zkqueue.errors import InvalidJob
+from zkqueue.layout import EntryName, Layout
+from zkqueue.line import Line
+from zkqueue.registry import read_records
+from zkqueue.result import Status
+from zkqueue.spec import JobSpec
+from zkqueue.view import PendingView
+
+log = logging.getLogger("zkq.worker")
+
+#: Entries the head reads in one turn at most: keeps the serial part of dispatch short.
+_SCAN_LIMIT = 64
+
+
+@dataclass
+class HeadStats:
+    """What the head did with the entries it judged (the worker's stats add these)."""
+
+    dead_lettered: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class HeadTurn:
+    zk: KazooClient
+    claims: Claims
+    view: PendingView
+    line: Line
+    admission: Admission
+    metrics: WorkerMetrics
+    layout: Layout
+    queue: str
+    max_attempts: int
+    stats: HeadStats = field(default_factory=HeadStats)
+
+    def turn(
+        self, free: int, exclude: set[str], rejoin_if_room: bool
+    ) -> list[tuple[Claim, int]] | None:
+        """Claim up to ``free`` admissible entries not in ``exclude``. Returns each claim with the
+        KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
+        for us), or None if a race was lost."""
+        self.view.refresh()
+        self._letter_malformed()
+        picked = self._pick(free, exclude)
+        if not picked:
+            return []
+        rejoin = rejoin_if_room and free - len(picked) > 0
+        claimed = self.claims.claim(picked, self.line, rejoin=rejoin)
+        if claimed is None:
+            self.view.invalidate()
+            return None
+        # Claimed entries stay pending until completed; mark them claimed, never forget them:
+        # a release or crash makes them claimable again and only the claims watch will say so.
+        self.view.claimed.update(c.entry.name for c in picked)
+        return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
+
+    def _pick(self, want: int, exclude: set[str]) -> list[Candidate]:
+        picked: list[Candidate] = []
+        ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        start = 0
+        while start < len(ordered):
+            # Read only as many entries as could be claimed; more only when some are refused.
+            chunk = want if start == 0 else max(want, 4)
+            part = ordered[start : start + chunk]
+            start += chunk
+            calls = [self.zk.get_async(self.claims.entry_path(p, e)) for p, e in part]
+            for (priority, entry), call in zip(part, calls, strict=True):
+                try:
+                    data, stat = call.get()
+                except NoNodeError:
+                    self.view.drop(priority, entry)
+                    continue
+                extra = sum(c.pages for c in picked)
+                cand = self._judge(priority, entry, data, stat, extra)
+                if cand is not None:
+                    picked.append(cand)
+                    if len(picked) >= want:
+                        return picked
+        return picked
+
+    def _judge(
+        self, priority: str, entry: EntryName, data: bytes, stat: Any, extra: int
+    ) -> Candidate | None:
+        """A candidate if this worker should claim the entry now; otherwise deal with it."""
+        if stat.numChildren:
+            # Not a job znode: its completion's delete could never succeed (NotEmpty).
+            reason = f"entry has {stat.numChildren} child node(s); a job entry has none"
+            self._letter(priority, entry.name, data, stat, reason, entry.job_id)
+            return None
+        try:
+            spec = JobSpec.from_bytes(data)
+        except InvalidJob as exc:
+            self._letter(priority, entry.name, data, stat, f"invalid job spec: {exc}", entry.job_id)
+            return None
+        if stat.version >= self.max_attempts:
+            reason = (
+                f"claimed {stat.version} times without finishing "
+                f"(max_attempts={self.max_attempts}): a poison job or crashing workers"
+            )
+            self._letter(priority, entry.name, data, stat, reason, entry.job_id)
+            return None
+        if spec.queue_timeout is not None and time.time() - stat.ctime / 1000 > spec.queue_timeout:
+            error = f"not started within queue_timeout of {spec.queue_timeout:g}s"
+            self._end_unclaimed(priority, entry, stat, Status.EXPIRED, error)
+            return None
+        decision = self.admission.judge(spec, extra)
+        if decision.verdict == Verdict.ADMIT:
+            return Candidate(priority, entry, data, stat, spec, decision.pages)
+        if decision.verdict == Verdict.REJECT:
+            self._reject(priority, entry, stat, decision.reason)
+        elif decision.verdict == Verdict.NEVER:
+            self._never_here(priority, entry, stat, decision.pages, decision.reason)
+        return None
+
+    def _reject(self, priority: str, entry: EntryName, stat: Any, reason: str) -> None:
+        self._end_unclaimed(priority, entry, stat, Status.REJECTED, reason)
+        self.stats.rejected += 1
+
+    def _never_here(
+        self, priority: str, entry: EntryName, stat: Any, pages: int, reason: str
+    ) -> None:
+        """Too big for this worker: reject it if no registered worker of the queue could ever
+        hold it, else leave it for a bigger one."""
+        need = pages * self.admission.page_tokens
+        largest = self._largest_capacity()
+        if largest is None or need <= largest:
+            log.info("job %s left for a bigger worker: %s", entry.job_id, reason)
+            return
+        self._reject(
+            priority,
+            entry,
+            stat,
+            f"needs {pages} KV-cache pages ({need} tokens of cache); the largest worker of "
+            f"queue {self.queue!r} holds {largest} tokens",
+        )
+
+    def _largest_capacity(self) -> int | None:
+        """The most cache positions any registered worker of this queue holds."""
+        capacities = []
+        for record in read_records(self.zk, self.layout):
+            cache = record.get("memory") or {}
+            if record.get("queue") == self.queue and cache.get("capacity_tokens") is not None:
+                capacities.append(int(cache["capacity_tokens"]))
+        return max(capacities) if capacities else None
+
+    def _letter(
+        self, priority: str, name: str, data: bytes, stat: Any, reason: str, job_id: str | None
+    ) -> None:
+        if self.claims.dead_letter(priority, name, data, stat, reason, job_id):
+            self.stats.dead_lettered += 1
+            self.metrics.job_finished(self.queue, priority, Status.DEAD, None, None, None)
+
+    def _letter_malformed(self) -> None:
+        for priority, names in self.view.malformed.items():
+            for name in names:
+                try:
+                    data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
+                except NoNodeError:
+                    continue
+                reason = f"entry name {name!r} is not <id>-<sequence>"
+                self._letter(priority, name, data, stat, reason, None)
+            names.clear()
+
+    def _end_unclaimed(
+        self, priority: str, entry: EntryName, stat: Any, status: Status, error: str
+    ) -> None:
+        ended = self.claims.end_unclaimed(
+            priority,
+            entry,
+            version=stat.version,
+            submitted_at=stat.ctime / 1000,
+            status=status,
+            error=error,
+        )
+        if ended:
+            self.metrics.job_finished(self.queue, priority, status, None, None, None)
