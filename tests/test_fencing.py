@@ -45,7 +45,7 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
     lay = client.layout
     a = Claims(zk_a, lay, "default", "a")
     b = Claims(zk_b, lay, "default", "b")
-    from zkqueue.claims import Candidate
+    from zkqueue.records import Candidate
     from zkqueue.spec import JobSpec
 
     def candidate() -> Candidate:

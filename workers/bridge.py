@@ -16,6 +16,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.protocol.states import EventType, WatchedEvent
 
+from workers.events import Event
 from workers.runners.base import CancelReason, Runner, RunningJob
 from zkqueue import defaults
 from zkqueue.claims import Claims
@@ -45,7 +46,7 @@ class RunnerBridge:
         self.next_publish = float("inf")
 
     def start(self) -> None:
-        self.runner.start(lambda job, outcome: self.post("done", job, outcome))
+        self.runner.start(lambda job, outcome: self.post(Event.DONE, job, outcome))
 
     def hand_in(self, jobs: list[RunningJob]) -> None:
         """Start the jobs, then watch their entries (pipelined). Connection trouble while
@@ -124,7 +125,7 @@ class RunnerBridge:
         key = self.key(job)
 
         def watch(event: WatchedEvent) -> None:
-            self.post("entry", key, event.type, job)
+            self.post(Event.ENTRY, key, event.type, job)
 
         return watch
 

@@ -30,6 +30,7 @@ from kazoo.protocol.states import KazooState
 from workers.admission import Admission
 from workers.bridge import RunnerBridge, describe
 from workers.completion import Completer
+from workers.events import WATCHES, Event
 from workers.head import HeadTurn
 from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
@@ -105,8 +106,8 @@ class Worker:
         self._events: queue_mod.Queue[tuple[Any, ...]] = queue_mod.Queue()
         #: Jobs this worker holds a claim on, by entry name.
         self.held: dict[str, RunningJob] = {}
-        self.line = Line(zk, self.layout.line(self.queue), self.id, lambda: self._post("line"))
-        self.view = PendingView(zk, self.layout, self.queue, lambda p: self._post("pending", p))
+        self.line = Line(zk, self.layout.line(self.queue), self.id, lambda: self._post(Event.LINE))
+        self.view = PendingView(zk, self.layout, self.queue, lambda p: self._post(Event.PENDING, p))
         self.claims = Claims(zk, self.layout, self.queue, self.id, lease=opts.lease)
         record = WorkerRecord(
             id=self.id,
@@ -188,17 +189,17 @@ class Worker:
         self.bridge.start()
         self.state = State.RUNNING
         self.registry.record.state = self.state
-        self._post("wake")
+        self._post(Event.WAKE)
 
     def stop(self, drain: bool = True) -> None:
         """Ask the loop to stop (thread safe). With drain, running jobs get drain_timeout to
         finish; without, or on a second call, they are released at once."""
-        self._post("stop", drain)
+        self._post(Event.STOP, drain)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def _post(self, *event: Any) -> None:
-        if event[0] in ("line", "pending", "entry"):
+        if event[0] in WATCHES:
             self._stats.watch_events += 1
         self._events.put(event)
 
@@ -247,20 +248,20 @@ class Worker:
 
     def _handle(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
-        if kind == "line":
+        if kind == Event.LINE:
             self.line.invalidate()
-        elif kind == "pending":
+        elif kind == Event.PENDING:
             self.view.invalidate(event[1])
             self._queue_empty = False
-        elif kind == "entry":
+        elif kind == Event.ENTRY:
             self.bridge.entry_changed(event[1], event[2], event[3])
-        elif kind == "done":
+        elif kind == Event.DONE:
             self._job_done(event[1], event[2])
-        elif kind == "state":
+        elif kind == Event.STATE:
             self._state_changed(event[1])
-        elif kind == "stop":
+        elif kind == Event.STOP:
             self._begin_stop(event[1])
-        elif kind == "rejoin":
+        elif kind == Event.REJOIN:
             self.registry.register(wait=self.zk_session_timeout)
 
     def _should_exit(self) -> bool:
@@ -301,7 +302,7 @@ class Worker:
             return
         claimed = self.head.turn(free, set(self.held), rejoin_if_room=True)
         if claimed is None:
-            self._post("wake")  # lost a race: re-read and try again
+            self._post(Event.WAKE)  # lost a race: re-read and try again
             return
         if not claimed:
             self._queue_empty = True
@@ -351,15 +352,15 @@ class Worker:
     # -- connection and stopping -------------------------------------------------------------
 
     def _on_state(self, state: KazooState) -> None:
-        self._post("state", state)
+        self._post(Event.STATE, state)
 
     def _state_changed(self, state: KazooState) -> None:
         if self.liveness.state_changed(state, self._session_lost):
-            self._post("rejoin")
+            self._post(Event.REJOIN)
         if state == KazooState.CONNECTED:
             self.view.invalidate()
             self.line.invalidate()
-            self._post("wake")
+            self._post(Event.WAKE)
 
     def _session_lost(self) -> None:
         self.bridge.cancel_all(CancelReason.LOST)

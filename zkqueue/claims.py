@@ -11,12 +11,9 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient, TransactionRequest
@@ -28,44 +25,12 @@ from zkqueue import result as results
 from zkqueue.errors import ResultTooLarge
 from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
-from zkqueue.result import Result, to_json
-from zkqueue.spec import JobSpec
+from zkqueue.records import Candidate, Claim, ClaimBody, DeadLetter
+from zkqueue.result import Result
 
 log = logging.getLogger("zkq.claims")
 #: Nodes below an entry that dead-lettering removes at most (one multi must stay small).
 _MAX_DESCENDANTS = 256
-
-
-@dataclass
-class Candidate:
-    """A pending entry read by the head and judged admissible."""
-
-    priority: str
-    entry: EntryName
-    data: bytes
-    stat: ZnodeStat
-    spec: JobSpec
-    #: KV-cache pages admission promised the job (0 when the worker has no cache).
-    pages: int = 0
-
-
-@dataclass
-class Claim:
-    """A job this worker holds. ``token`` is the entry version the claim set."""
-
-    queue: str
-    priority: str
-    entry: EntryName
-    spec: JobSpec
-    token: int
-    submitted_at: float
-    claimed_at: float
-    #: The claim node's data (renewals write it again).
-    body: bytes = b""
-
-    @property
-    def id(self) -> str:
-        return self.entry.job_id
 
 
 class Claims:
@@ -97,11 +62,10 @@ class Claims:
         bodies = []
         for c in picked:
             token = c.stat.version + 1
-            body = to_json(
-                {"worker": self.worker_id, "token": token, "claimed_at": now, "lease": self.lease}
-            )
+            body = ClaimBody(self.worker_id, token, now, self.lease)
             bodies.append(body)
-            txn.create(self.layout.claim(self.queue, c.entry.name), body, ephemeral=True)
+            claim_path = self.layout.claim(self.queue, c.entry.name)
+            txn.create(claim_path, body.to_bytes(), ephemeral=True)
             txn.set_data(self.entry_path(c.priority, c.entry), c.data, version=c.stat.version)
         left = line.joined
         line.add_leave(txn)
@@ -164,7 +128,7 @@ class Claims:
         """Renew the leases (a write bumps the claim's server-side mtime, which the janitor
         reads). Returns the claims that are gone: reclaimed, or lost with the session."""
         calls = [
-            (c, self.zk.set_async(self.layout.claim(self.queue, c.entry.name), c.body))
+            (c, self.zk.set_async(self.layout.claim(self.queue, c.entry.name), c.body.to_bytes()))
             for c in claims
         ]
         lost = []
@@ -178,9 +142,7 @@ class Claims:
     def set_partial(self, claim: Claim, text: str) -> None:
         """Put a streaming job's output so far into its claim's data (written by the next
         renew(), so every write also renews the lease)."""
-        body = json.loads(claim.body)
-        body["partial"] = text
-        claim.body = to_json(body)
+        claim.body.partial = text
 
     def sweep(self, line: Line, held: set[str]) -> list[str]:
         """Delete this session's claims on entries not in ``held`` and its places in the line
@@ -224,16 +186,16 @@ class Claims:
     ) -> bool:
         """Move an entry to dead/ with the reason; record a ``dead`` result when it has an id."""
         now = time.time()
-        letter: dict[str, Any] = {
-            "id": job_id,
-            "queue": self.queue,
-            "priority": priority,
-            "entry": name,
-            "reason": reason,
-            "worker": self.worker_id,
-            "dead_at": now,
-            **_raw_payload(data),
-        }
+        letter = DeadLetter.of_entry(
+            data,
+            queue=self.queue,
+            priority=priority,
+            entry=name,
+            reason=reason,
+            id=job_id,
+            worker=self.worker_id,
+            dead_at=now,
+        )
         record = None
         if job_id is not None:
             record = Result(
@@ -254,7 +216,7 @@ class Claims:
         # A hand-made entry may reuse an id that already has a result: then letter it alone.
         for with_result in (True, False) if record else (False,):
             txn = self.zk.transaction()
-            txn.create(self.layout.dead_node(self.queue, name), to_json(letter))
+            txn.create(self.layout.dead_node(self.queue, name), letter.to_bytes())
             if with_result and record is not None:
                 txn.create(self.layout.result(self.queue, record.id), record.to_bytes())
             for node in below:
@@ -310,6 +272,68 @@ class Claims:
         return not transaction_failed(txn.commit())
 
 
+# -- transitions made by clients other than the claiming worker ------------------------------
+
+
+def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str) -> bool:
+    """Cancel a pending or running entry: record a ``cancelled`` result and delete the entry in
+    one multi (a running worker sees the delete and stops). False if it had already ended."""
+    path = layout.entry(queue, priority, name)
+    try:
+        _, stat = zk.get(path)
+    except NoNodeError:
+        return False
+    job_id = EntryName.parse(name).job_id
+    record = Result(
+        id=job_id,
+        queue=queue,
+        priority=priority,
+        status=results.CANCELLED,
+        error="cancelled by request",
+        attempts=stat.version,
+        submitted_at=stat.ctime / 1000,
+        finished_at=time.time(),
+    )
+    txn = zk.transaction()
+    txn.create(layout.result(queue, job_id), record.to_bytes())
+    txn.delete(path, stat.version)
+    return not transaction_failed(txn.commit())
+
+
+def reclaim(
+    zk: KazooClient, layout: Layout, queue: str, priority: str, name: str, token: int, version: int
+) -> bool:
+    """Take back a claim whose lease lapsed (the janitor): delete it if the entry still carries
+    its token and the claim was not renewed since it was read. The job is pending again."""
+    txn = zk.transaction()
+    txn.check(layout.entry(queue, priority, name), token)
+    txn.delete(layout.claim(queue, name), version)
+    return not transaction_failed(txn.commit())
+
+
+def requeue(
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    priority: str,
+    job_id: str,
+    letter: str,
+    spec: bytes,
+) -> str | None:
+    """Enqueue a dead-lettered job again under the same id (detached, attempts from 0), and
+    remove its letter and its ``dead`` result in the same multi. Returns the new entry name,
+    None if the letter changed meanwhile."""
+    txn = zk.transaction()
+    txn.create(layout.entry_prefix(queue, priority, job_id), spec, sequence=True)
+    txn.delete(layout.dead_node(queue, letter))
+    if zk.exists(layout.result(queue, job_id)) is not None:
+        txn.delete(layout.result(queue, job_id))
+    outcome = txn.commit()
+    if transaction_failed(outcome):
+        return None
+    return str(outcome[0]).rsplit("/", 1)[1]
+
+
 def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]:
     """Names of the ephemeral nodes in ``directory`` owned by this session but not in
     ``known``: what a create or multi left behind when its reply was lost."""
@@ -341,12 +365,3 @@ def _result_bytes(record: Result) -> bytes:
     except ResultTooLarge as exc:
         record.status, record.output, record.error = results.FAILED, "", str(exc)
         return record.to_bytes()
-
-
-def _raw_payload(data: bytes) -> dict[str, Any]:
-    """The entry's bytes for the dead letter: text when it is UTF-8, else base64; capped."""
-    data = data[: 16 * 1024]
-    try:
-        return {"raw": data.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"raw_base64": base64.b64encode(data).decode()}

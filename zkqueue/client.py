@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import json
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -16,11 +15,13 @@ from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, Sessi
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.deadletters import list_dead, requeue
-from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
+from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import PENDING, RUNNING, Job
 from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
 from zkqueue.limits import Limits
+from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
+from zkqueue.result import Result
 from zkqueue.spec import build_spec, parse_submission
 
 #: Creates in flight at once in submit_many.
@@ -272,22 +273,24 @@ class Client:
             data, _ = self.zk.get(self.layout.result(queue, job_id))
         except NoNodeError:
             return None
-        record = json.loads(data)
-        return Job(self, job_id, queue, str(record.get("priority", defaults.PRIORITY)))
+        record = Result.from_bytes(data, f"result of job {job_id} in queue {queue!r}")
+        return Job(self, job_id, queue, record.priority)
 
     def queue_names(self) -> list[str]:
-        try:
-            return sorted(self.zk.get_children(self.layout.queues()))
-        except NoNodeError:
-            return []
+        with self.mapped():
+            try:
+                return sorted(self.zk.get_children(self.layout.queues()))
+            except NoNodeError:
+                return []
 
-    def claim_of(self, queue: str, entry: str) -> dict[str, Any] | None:
-        try:
-            data, _ = self.zk.get(self.layout.claim(queue, entry))
-        except NoNodeError:
-            return None
-        parsed: dict[str, Any] = json.loads(data)
-        return parsed
+    def claim_of(self, queue: str, entry: str) -> ClaimBody | None:
+        """The claim on a running entry (None while it is not running)."""
+        with self.mapped():
+            try:
+                data, _ = self.zk.get(self.layout.claim(queue, entry))
+            except NoNodeError:
+                return None
+        return ClaimBody.from_bytes(data, f"claim {queue}/{entry}")
 
     def _ordered_entries(self, queue: str) -> list[tuple[str, EntryName]]:
         """Every parseable entry of a queue in dispatch order, as (priority, name)."""
@@ -313,8 +316,9 @@ class Client:
 
     def position(self, queue: str, entry: str) -> int | None:
         """1-based place among the queue's unclaimed entries in dispatch order."""
-        claimed = self._claimed(queue)
-        waiting = [e.name for _, e in self._ordered_entries(queue) if e.name not in claimed]
+        with self.mapped():
+            claimed = self._claimed(queue)
+            waiting = [e.name for _, e in self._ordered_entries(queue) if e.name not in claimed]
         return waiting.index(entry) + 1 if entry in waiting else None
 
     def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
@@ -424,5 +428,7 @@ def _claim_worker(call: Any) -> str | None:
         data, _ = call.get()
     except NoNodeError:
         return None
-    worker: str | None = json.loads(data).get("worker")
-    return worker
+    try:
+        return ClaimBody.from_bytes(data).worker
+    except CorruptRecord:
+        return "?"  # the listing shows the job as running; `zkq status` names the bad node

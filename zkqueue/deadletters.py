@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from zkqueue.claims import transaction_failed
-from zkqueue.errors import InvalidJob, JobNotFound
+from zkqueue import claims
+from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound
 from zkqueue.layout import Layout
+from zkqueue.records import DeadLetter
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.dead")
@@ -31,7 +31,10 @@ def list_dead(zk: KazooClient, layout: Layout, queues: list[str]) -> list[dict[s
                 data, _ = call.get()
             except NoNodeError:
                 continue
-            letter = json.loads(data)
+            try:
+                letter = DeadLetter.from_bytes(data, f"dead letter {queue}/{name}").to_dict()
+            except CorruptRecord as exc:
+                letter = {"id": None, "priority": None, "reason": f"unreadable: {exc}"}
             letter.update(name=name, queue=queue)
             letters.append(letter)
     return sorted(letters, key=lambda x: x.get("dead_at") or 0)
@@ -49,14 +52,8 @@ def requeue(zk: KazooClient, layout: Layout, letter: dict[str, Any]) -> str:
         data = JobSpec.from_bytes(letter["raw"].encode()).to_bytes()
     except InvalidJob as exc:
         raise InvalidJob(f"dead letter {letter['name']} cannot be requeued: {exc}") from None
-    txn = zk.transaction()
-    txn.create(layout.entry_prefix(queue, priority, job_id), data, sequence=True)
-    txn.delete(layout.dead_node(queue, letter["name"]))
-    if zk.exists(layout.result(queue, job_id)) is not None:
-        txn.delete(layout.result(queue, job_id))
-    outcome = txn.commit()
-    if transaction_failed(outcome):
+    name = claims.requeue(zk, layout, queue, priority, job_id, letter["name"], data)
+    if name is None:
         raise JobNotFound(f"dead letter {letter['name']} changed while requeueing it; try again")
-    name: str = outcome[0].rsplit("/", 1)[1]
     log.info("requeued %s as %s/%s", job_id, priority, name)
     return name

@@ -3,12 +3,23 @@ its options (with ``ZKQ_*`` environment fallbacks) onto the same names."""
 
 from __future__ import annotations
 
+import enum
+
+
+class Priority(enum.StrEnum):
+    """A job's priority; the value is the wire string (a pending/<priority> directory)."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
 HOSTS = "127.0.0.1:2181"
 ROOT = "/zkq"
 QUEUE = "default"
-PRIORITY = "normal"
+PRIORITY: str = Priority.NORMAL.value
 #: Dispatch order: a lower rank is served first.
-PRIORITIES = ("high", "normal", "low")
+PRIORITIES: tuple[str, ...] = tuple(p.value for p in Priority)
 
 SESSION_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0

@@ -15,6 +15,7 @@ class ExitCode:
     UNAVAILABLE = 6
     CONFIG = 7
     DENIED = 8
+    CORRUPT = 9
     INTERNAL = 70
 
 
@@ -79,6 +80,13 @@ class AccessDenied(ZkqError):
     """ZooKeeper refused the operation: missing or wrong credentials (--auth)."""
 
     exit_code = ExitCode.DENIED
+
+
+class CorruptRecord(ZkqError):
+    """A node under the root holds data zkq cannot read (not JSON, a required field missing):
+    another client wrote it. The message names the node."""
+
+    exit_code = ExitCode.CORRUPT
 
 
 class JobWithdrawn(ZkqError):

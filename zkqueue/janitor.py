@@ -15,11 +15,9 @@ Candidates stand in a line under <root>/janitor; its head is the active janitor.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -29,11 +27,12 @@ from kazoo.exceptions import (
 
 from zkqueue import defaults
 from zkqueue import result as results
-from zkqueue.claims import Claims, own_untracked, transaction_failed
+from zkqueue.claims import Claims, own_untracked, reclaim
 from zkqueue.connection import TRANSIENT
-from zkqueue.errors import InvalidJob
+from zkqueue.errors import CorruptRecord, InvalidJob
 from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
+from zkqueue.records import ClaimBody
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.janitor")
@@ -141,18 +140,19 @@ class Janitor:
                 data, stat = call.get()
             except NoNodeError:
                 continue
-            body = _json(data)
-            lease = float(body.get("lease") or defaults.LEASE)
+            body = _claim_body(data, queue, name)
+            lease = body.lease if body else defaults.LEASE
             entry = pending.get(name)
             if entry is None or now <= stat.mtime / 1000 + lease:
                 live.add(name)
                 continue
-            if self._reclaim(queue, entry, int(body.get("token", -1)), stat.version):
+            # A claim nobody can read is reclaimed whatever version its entry has (token -1).
+            if self._reclaim(queue, entry, body.token if body else -1, stat.version):
                 report.reclaimed.append(entry.entry.job_id)
                 log.warning(
                     "reclaimed job %s from %s: no lease renewal for %.0fs",
                     entry.entry.job_id,
-                    body.get("worker"),
+                    body.worker if body else "an unreadable claim",
                     now - stat.mtime / 1000,
                 )
             else:
@@ -160,10 +160,8 @@ class Janitor:
         return live
 
     def _reclaim(self, queue: str, entry: _Pending, token: int, claim_version: int) -> bool:
-        txn = self.zk.transaction()
-        txn.check(self.layout.entry(queue, entry.priority, entry.entry.name), token)
-        txn.delete(self.layout.claim(queue, entry.entry.name), claim_version)
-        return not transaction_failed(txn.commit())
+        name = entry.entry.name
+        return reclaim(self.zk, self.layout, queue, entry.priority, name, token, claim_version)
 
     def _expire_waiting(
         self, queue: str, waiting: list[_Pending], now: float, report: PassReport
@@ -306,9 +304,9 @@ class JanitorService:
         self._unsure = False
 
 
-def _json(data: bytes) -> dict[str, Any]:
+def _claim_body(data: bytes, queue: str, name: str) -> ClaimBody | None:
     try:
-        value = json.loads(data)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return ClaimBody.from_bytes(data, f"claim {queue}/{name}")
+    except CorruptRecord as exc:
+        log.warning("%s", exc)
+        return None

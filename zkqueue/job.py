@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 
-from zkqueue import result as results
-from zkqueue.claims import transaction_failed
-from zkqueue.errors import JobNotFound, JobTimeout, JobWithdrawn
+from zkqueue import claims
+from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
+from zkqueue.records import ClaimBody
 from zkqueue.result import Result
 
 if TYPE_CHECKING:
-    from zkqueue.client import Client
+    from contextlib import AbstractContextManager
+
+    from kazoo.client import KazooClient
+
+    from zkqueue.layout import Layout
+
+
+class Owner(Protocol):
+    """What a Job needs of the client that made it (``zkqueue.client.Client`` is one)."""
+
+    @property
+    def zk(self) -> KazooClient: ...
+
+    layout: Layout
+
+    def mapped(self) -> AbstractContextManager[None]: ...
+
+    def find_entry(self, queue: str, priority: str, job_id: str) -> str | None: ...
+
+    def claim_of(self, queue: str, entry: str) -> ClaimBody | None: ...
+
+    def position(self, queue: str, entry: str) -> int | None: ...
+
 
 PENDING = "pending"
 RUNNING = "running"
@@ -33,7 +54,7 @@ class Job:
 
     def __init__(
         self,
-        client: Client,
+        client: Owner,
         job_id: str,
         queue: str,
         priority: str,
@@ -131,8 +152,11 @@ class Job:
             data, _ = self.client.zk.get(claim)
         except (NoNodeError, ConnectionLoss, SessionExpiredError):
             return "", None
-        partial = json.loads(data).get("partial")
-        return (partial if isinstance(partial, str) else ""), None
+        try:
+            partial = ClaimBody.from_bytes(data).partial
+        except CorruptRecord:
+            partial = None
+        return partial or "", None
 
     def _accept(self, found: Result) -> Result:
         if self.owned and not self.detach:
@@ -142,31 +166,13 @@ class Job:
 
     def cancel(self) -> bool:
         """Cancel a pending or running job and record status cancelled. False if it had ended."""
-        zk = self.client.zk
         with self.client.mapped():
             self._locate()
-            entry_path = self.entry_path
-            if entry_path is None:
+            if self.entry is None:
                 return False
-            try:
-                _, stat = zk.get(entry_path)
-            except NoNodeError:
-                return False
-            record = Result(
-                id=self.id,
-                queue=self.queue,
-                priority=self.priority,
-                status=results.CANCELLED,
-                error="cancelled by request",
-                attempts=stat.version,
-                submitted_at=stat.ctime / 1000,
-                finished_at=time.time(),
+            return claims.cancel(
+                self.client.zk, self.client.layout, self.queue, self.priority, self.entry
             )
-            txn = zk.transaction()
-            txn.create(self.result_path, record.to_bytes())
-            txn.delete(entry_path)
-            outcome = txn.commit()
-            return not transaction_failed(outcome)
 
     def withdraw(self) -> None:
         """Delete the entry without a result: the caller no longer wants the answer."""
@@ -239,7 +245,7 @@ class Job:
                 raise JobNotFound(
                     f"job {self.id} has no entry and no result in queue {self.queue!r}"
                 ) from None
-            return self._finished_info(Result.from_bytes(data))
+            return self._finished_info(Result.from_bytes(data, f"result of job {self.id}"))
         info: dict[str, Any] = {
             "id": self.id,
             "queue": self.queue,
@@ -249,7 +255,7 @@ class Job:
         }
         claim = self.client.claim_of(self.queue, self.entry or "")
         if claim is not None:
-            info.update(state=RUNNING, worker=claim.get("worker"))
+            info.update(state=RUNNING, worker=claim.worker)
         else:
             info.update(state=PENDING, position=self.client.position(self.queue, self.entry or ""))
         return info

@@ -14,8 +14,9 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from zkqueue.errors import ConfigurationError
+from zkqueue.errors import ConfigurationError, CorruptRecord
 from zkqueue.layout import Layout
+from zkqueue.records import read_json
 
 
 @dataclass
@@ -107,7 +108,7 @@ def read_records(zk: KazooClient, layout: Layout) -> list[dict[str, Any]]:
     records = []
     for call in calls:
         try:
-            records.append(json.loads(call.get()[0]))
-        except (NoNodeError, ValueError):
+            records.append(read_json(call.get()[0], "worker registration"))
+        except (NoNodeError, CorruptRecord):
             continue
     return records

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zkqueue import defaults
-from zkqueue.errors import ResultTooLarge
+from zkqueue.errors import CorruptRecord, ResultTooLarge
 
 
 class Status(enum.StrEnum):
@@ -75,12 +75,24 @@ class Result:
         return data
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Result:
-        raw = json.loads(data.decode("utf-8"))
+    def from_bytes(cls, data: bytes, what: str = "result") -> Result:
+        """Read a result written by any client; CorruptRecord (naming ``what``) when it is not
+        JSON or lacks one of the required fields id, queue, priority and status."""
+        try:
+            raw = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise CorruptRecord(f"{what} is not valid JSON") from None
+        if not isinstance(raw, dict):
+            raise CorruptRecord(f"{what} is not a JSON object")
+        missing = [f for f in REQUIRED if not isinstance(raw.get(f), str)]
+        if missing:
+            raise CorruptRecord(f"{what} lacks required field(s): {', '.join(missing)}")
         known = {f: raw.pop(f) for f in list(raw) if f in cls.__dataclass_fields__ and f != "extra"}
-        return cls(**known, extra=raw)
+        try:
+            return cls(**known, extra=raw)
+        except TypeError as exc:  # pragma: no cover - every field has a default but the four
+            raise CorruptRecord(f"{what}: {exc}") from None
 
 
-def to_json(value: Any) -> bytes:
-    """Compact JSON for small records (claims, dead letters, registrations)."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+#: Fields every result record has (docs/PROTOCOL.md); the rest are optional.
+REQUIRED = ("id", "queue", "priority", "status")

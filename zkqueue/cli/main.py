@@ -142,7 +142,7 @@ def _missing(point: EntryPoint, exc: ImportError) -> click.Command:
             f"install them with: pip install 'zkq[{extra}]'",
             err=True,
         )
-        sys.exit(ExitCode.CONFIGURATION)
+        sys.exit(ExitCode.CONFIG)
 
     return click.Command(
         point.name,

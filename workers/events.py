@@ -1,0 +1,23 @@
+"""The events a worker's loop handles, in one enum: watches, the session listener, the runner and
+signals post them from their own threads; only the loop's thread acts on them."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Event(enum.StrEnum):
+    """What the loop's queue carries (posted by watches, the listener, the runner, signals)."""
+
+    LINE = "line"  # our predecessor in the line left
+    PENDING = "pending"  # a pending priority or the claims changed (the head's view)
+    ENTRY = "entry"  # a running job's entry changed or went (cancel, withdrawal, reclaim)
+    DONE = "done"  # the runner reported a job's outcome
+    STATE = "state"  # the session's state changed
+    STOP = "stop"  # stop() was called (a signal)
+    REJOIN = "rejoin"  # a new session after a lost one: register again
+    WAKE = "wake"  # look again (after a lost race or a reconnect)
+
+
+#: Events that are watch notifications (counted in the stats).
+WATCHES = (Event.LINE, Event.PENDING, Event.ENTRY)

@@ -1,0 +1,145 @@
+"""The protocol's small records and their one (de)serializer each: what a worker's claim node
+holds, what a dead letter holds, and the worker's view of a claimed job.
+
+The job spec (``zkqueue.spec``), the result (``zkqueue.result``) and the worker registration
+(``zkqueue.registry``) have modules of their own. Readers treat records written by other clients
+as data, not trust: a record that is not JSON, or lacks a required field, raises
+``CorruptRecord`` naming the node, never a bare KeyError or ValueError.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kazoo.protocol.states import ZnodeStat
+
+from zkqueue.errors import CorruptRecord
+from zkqueue.layout import EntryName
+from zkqueue.spec import JobSpec
+
+#: Bytes of an entry's data a dead letter keeps at most.
+_RAW_LIMIT = 16 * 1024
+
+
+def to_json(value: Any) -> bytes:
+    """Compact JSON for small records."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def read_json(data: bytes, what: str) -> dict[str, Any]:
+    """A JSON object from a node written by any client, or CorruptRecord naming ``what``."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptRecord(f"{what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise CorruptRecord(f"{what} is not a JSON object")
+    return value
+
+
+@dataclass
+class ClaimBody:
+    """The data of claims/<entry>: who runs the job, its fencing token, its lease, and a
+    streaming job's output so far. The claim node's mtime is the lease's last renewal."""
+
+    worker: str
+    token: int
+    claimed_at: float
+    #: Seconds the claim stays valid without a renewal.
+    lease: float
+    partial: str | None = None
+
+    def to_bytes(self) -> bytes:
+        record = asdict(self)
+        if record["partial"] is None:
+            del record["partial"]
+        return to_json(record)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "claim") -> ClaimBody:
+        raw = read_json(data, what)
+        try:
+            return cls(
+                worker=str(raw["worker"]),
+                token=int(raw["token"]),
+                claimed_at=float(raw.get("claimed_at") or 0.0),
+                lease=float(raw["lease"]),
+                partial=raw.get("partial") if isinstance(raw.get("partial"), str) else None,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(f"{what} lacks a valid field: {exc}") from None
+
+
+@dataclass
+class DeadLetter:
+    """The data of dead/<entry>: an entry a worker could not run, with the reason. ``raw`` is
+    the entry's data when it is UTF-8, ``raw_base64`` otherwise (both capped)."""
+
+    queue: str
+    priority: str
+    #: The entry's node name (also the letter's).
+    entry: str
+    reason: str
+    id: str | None = None
+    worker: str | None = None
+    dead_at: float | None = None
+    raw: str | None = None
+    raw_base64: str | None = None
+
+    @classmethod
+    def of_entry(cls, data: bytes, **fields: Any) -> DeadLetter:
+        data = data[:_RAW_LIMIT]
+        try:
+            return cls(**fields, raw=data.decode("utf-8"))
+        except UnicodeDecodeError:
+            return cls(**fields, raw_base64=base64.b64encode(data).decode())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "id"}
+
+    def to_bytes(self) -> bytes:
+        return to_json(self.to_dict())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "dead letter") -> DeadLetter:
+        raw = read_json(data, what)
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        try:
+            return cls(**known)
+        except TypeError as exc:
+            raise CorruptRecord(f"{what} lacks a required field: {exc}") from None
+
+
+@dataclass
+class Candidate:
+    """A pending entry read by the head and judged admissible."""
+
+    priority: str
+    entry: EntryName
+    data: bytes
+    stat: ZnodeStat
+    spec: JobSpec
+    #: KV-cache pages admission promised the job (0 when the worker has no cache).
+    pages: int = 0
+
+
+@dataclass
+class Claim:
+    """A job this worker holds. ``token`` is the entry version the claim set."""
+
+    queue: str
+    priority: str
+    entry: EntryName
+    spec: JobSpec
+    token: int
+    submitted_at: float
+    claimed_at: float
+    #: The claim node's data (renewals write it again).
+    body: ClaimBody = field(default_factory=lambda: ClaimBody("", 0, 0.0, 0.0))
+
+    @property
+    def id(self) -> str:
+        return self.entry.job_id
