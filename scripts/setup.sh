@@ -29,6 +29,6 @@ fi
 stamp=".venv/.zkq-setup-$(cat setup.cfg pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "setup: installing zkq and its extras" >&2
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[worker,test]'
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[cli,worker,test]'
   rm -f .venv/.zkq-setup-* && touch "$stamp"
 fi

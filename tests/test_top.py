@@ -18,7 +18,8 @@ from workers.admission import Admission
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.exporter import ClusterState, QueueState
-from zkqueue.top import TopSnapshot, memory_bar, render, run_top, snapshot, throughput
+from zkqueue.top import run_top, snapshot
+from zkqueue.topview import TopSnapshot, memory_bar, render, throughput
 
 
 def text_of(renderable: Any) -> str:

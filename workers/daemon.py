@@ -15,9 +15,9 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from workers.admission import Admission
-from workers.loop import Worker, default_worker_id
+from workers.loop import Worker
 from workers.metrics import WorkerMetrics
-from workers.options import WorkerOptions
+from workers.options import WorkerOptions, default_worker_id
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier

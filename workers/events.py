@@ -1,5 +1,6 @@
-"""The events a worker's loop handles, in one enum: watches, the session listener, the runner and
-signals post them from their own threads; only the loop's thread acts on them."""
+"""The worker loop's vocabulary: the events it handles (watches, the session listener, the runner
+and signals post them from their own threads; only the loop's thread acts on them) and the states
+it goes through."""
 
 from __future__ import annotations
 
@@ -21,3 +22,10 @@ class Event(enum.StrEnum):
 
 #: Events that are watch notifications (counted in the stats).
 WATCHES = (Event.LINE, Event.PENDING, Event.ENTRY)
+
+
+class State(enum.StrEnum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"

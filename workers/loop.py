@@ -11,12 +11,8 @@ the loop's thread only; watches, the connection listener and the runner just pos
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import os
 import queue as queue_mod
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -30,11 +26,11 @@ from kazoo.protocol.states import KazooState
 from workers.admission import Admission
 from workers.bridge import RunnerBridge, describe
 from workers.completion import Completer
-from workers.events import WATCHES, Event
+from workers.events import WATCHES, Event, State
 from workers.head import HeadTurn
 from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
-from workers.options import WorkerOptions
+from workers.options import WorkerOptions, default_worker_id
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from zkqueue.claims import Claims
 from zkqueue.connection import TRANSIENT
@@ -47,17 +43,6 @@ log = logging.getLogger("zkq.worker")
 
 #: After a drain times out, how long released jobs get to stop before the worker exits anyway.
 _RELEASE_GRACE = 5.0
-
-
-class State(enum.StrEnum):
-    NEW = "new"
-    RUNNING = "running"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 @dataclass

@@ -3,6 +3,9 @@ fields, the daemon reads the runner's part, and the loop (``workers.loop.Worker`
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from dataclasses import dataclass
 
 from zkqueue import defaults
@@ -50,3 +53,7 @@ class WorkerOptions:
     #: Serve Prometheus metrics on this port (none: no HTTP server).
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import builtins
 import secrets
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.deadletters import list_dead, requeue
+from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import PENDING, RUNNING, Job
 from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
@@ -23,11 +23,6 @@ from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
 from zkqueue.result import Result
 from zkqueue.spec import build_spec, parse_submission
-
-#: Creates in flight at once in submit_many.
-_PIPELINE_WINDOW = 512
-#: Seconds between checks while waiting for kazoo to reconnect.
-_RECONNECT_POLL = 0.05
 
 
 def new_job_id() -> str:
@@ -67,6 +62,7 @@ class Client:
         self._owns_zk = zk is None
         self._ready: set[str] = set()
         self._limits: Limits | None = None
+        self._enqueue = Enqueuer(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -132,7 +128,7 @@ class Client:
         with self.mapped():
             self.ensure_queue(queue)
             self.limits.check_room(queue)
-            name = self._create_entry(queue, priority, job_id, data, ephemeral=not detach)
+            name = self._enqueue.create(queue, priority, job_id, data, ephemeral=not detach)
         return Job(self, job_id, queue, priority, name, detach=detach, owned=True)
 
     def submit_many(
@@ -154,7 +150,11 @@ class Client:
             for q in {p[1] for p in prepared}:
                 self.ensure_queue(q)
                 self.limits.check_room(q, sum(1 for p in prepared if p[1] == q))
-            return self._create_pipelined(prepared, detach)
+            names = self._enqueue.create_many(prepared, ephemeral=not detach)
+        return [
+            Job(self, jid, q, p, name, detach=detach, owned=True)
+            for (jid, q, p, _), name in zip(prepared, names, strict=True)
+        ]
 
     def _prepare(
         self,
@@ -175,73 +175,6 @@ class Client:
         except InvalidJob as exc:
             raise type(exc)(f"spec #{index}: {exc}") from None
         return new_job_id(), sub.queue, sub.priority, sub.data
-
-    def _create_pipelined(
-        self, prepared: list[tuple[str, str, str, bytes]], detach: bool
-    ) -> list[Job]:
-        jobs: list[Job] = []
-        for start in range(0, len(prepared), _PIPELINE_WINDOW):
-            window = prepared[start : start + _PIPELINE_WINDOW]
-            calls = [
-                self.zk.create_async(
-                    self.layout.entry_prefix(q, p, jid), data, ephemeral=not detach, sequence=True
-                )
-                for jid, q, p, data in window
-            ]
-            for (jid, q, p, data), call in zip(window, calls, strict=True):
-                try:
-                    name = call.get().rsplit("/", 1)[1]
-                except ConnectionLoss:
-                    name = self._create_entry(q, p, jid, data, ephemeral=not detach)
-                jobs.append(Job(self, jid, q, p, name, detach=detach, owned=True))
-        return jobs
-
-    def _create_entry(
-        self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
-    ) -> str:
-        """Create the entry exactly once: after a ConnectionLoss the create may have happened,
-        so wait for the connection to come back and look for the id before creating again."""
-        prefix = self.layout.entry_prefix(queue, priority, job_id)
-        deadline = time.monotonic() + self.settings.connect_timeout
-        while True:
-            try:
-                path: str = self.zk.create(prefix, data, ephemeral=ephemeral, sequence=True)
-                return path.rsplit("/", 1)[1]
-            except (ConnectionLoss, SessionExpiredError):
-                try:
-                    found = self._find_after_loss(queue, priority, job_id, deadline)
-                except ZkqConnectionError as exc:
-                    # The create may have committed: give the caller the id to look it up by.
-                    raise ZkqConnectionError(
-                        f"{exc}; job {job_id} may or may not have been enqueued "
-                        f"(check with: zkq status {job_id})",
-                        job_id=job_id,
-                    ) from None
-                if found is not None:
-                    return found
-
-    def _find_after_loss(
-        self, queue: str, priority: str, job_id: str, deadline: float
-    ) -> str | None:
-        while True:
-            self._await_connected(deadline)
-            try:
-                return self.find_entry(queue, priority, job_id)
-            except (ConnectionLoss, SessionExpiredError):
-                if time.monotonic() > deadline:
-                    raise ZkqConnectionError(
-                        f"lost ZooKeeper at {self.settings.hosts} while enqueuing"
-                    ) from None
-
-    def _await_connected(self, deadline: float) -> None:
-        """Bounded wait for kazoo to reconnect (to this server or another of the ensemble)."""
-        while not self.zk.connected:
-            if time.monotonic() > deadline:
-                raise ZkqConnectionError(
-                    f"lost ZooKeeper at {self.settings.hosts} while enqueuing and it did not "
-                    f"come back within {self.settings.connect_timeout:g}s"
-                )
-            time.sleep(_RECONNECT_POLL)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -1,0 +1,260 @@
+"""The shape of the code, checked: dependencies point one way (workers and gateway -> zkqueue,
+never back), no import cycle, the library core needs only kazoo and the standard library, every
+multi is built in zkqueue/claims.py, no module is over the size limit, and README's Layout
+section names every module. Each rule is also run on a small bad tree to show it can fail."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What each shipped package may import from the project.
+LAYERS = {
+    "zkqueue": {"zkqueue"},
+    "workers": {"zkqueue", "workers"},
+    "gateway": {"zkqueue", "gateway"},
+}
+#: The project's top-level packages (imports of these are project imports).
+PROJECT = {*LAYERS, "scripts", "tests"}
+#: Third-party packages the library core may import: kazoo alone. Optional concerns are allowed
+#: only in the modules named here, which the extras that install them serve.
+CORE_THIRD_PARTY = {"kazoo"}
+OPTIONAL = {
+    "zkqueue.cli": {"click", "rich"},
+    "zkqueue.top": {"rich"},
+    "zkqueue.topview": {"rich"},
+    "zkqueue.exporter": {"prometheus_client"},
+}
+#: The one module that builds ZooKeeper multis.
+TRANSITIONS = "zkqueue.claims"
+MAX_LINES = 400
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+
+    @property
+    def package(self) -> str:
+        return self.name.split(".", 1)[0]
+
+
+def modules(root: Path, packages: set[str]) -> Iterator[Module]:
+    for package in sorted(packages):
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            yield Module(name, path, ast.parse(path.read_text(), str(path)))
+
+
+def imports(module: Module) -> Iterator[str]:
+    """Every name this one imports, at any depth (function-local and type-only too): for
+    ``from a import b``, both ``a`` and ``a.b`` (one of them is a module)."""
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.name.split(".")[: -node.level or None]
+                if module.path.name == "__init__.py":
+                    parent = module.name.split(".")[: len(module.name.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def project_edges(root: Path, mods: list[Module]) -> dict[str, set[str]]:
+    """Module -> project modules it imports. ``from pkg import mod`` is an edge to ``pkg.mod``
+    alone (the package's __init__ runs first, but that is how packages work, not a cycle)."""
+    known = {m.name for m in mods}
+    edges = {}
+    for m in mods:
+        names = {n for n in imports(m) if n in known and n != m.name}
+        edges[m.name] = {n for n in names if not any(o.startswith(n + ".") for o in names)}
+    return edges
+
+
+def upward_imports(mods: list[Module]) -> list[str]:
+    bad = []
+    for m in mods:
+        allowed = LAYERS.get(m.package)
+        if allowed is None:
+            continue
+        for name in imports(m):
+            top = name.split(".", 1)[0]
+            if top in PROJECT and top not in allowed:
+                bad.append(f"{m.name} imports {name}")
+    return bad
+
+
+def third_party_in_core(mods: list[Module]) -> list[str]:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    bad = []
+    for m in mods:
+        if m.package != "zkqueue":
+            continue
+        extra = next(
+            (v for k, v in OPTIONAL.items() if m.name == k or m.name.startswith(k + ".")), set()
+        )
+        for name in imports(m):
+            top = name.split(".", 1)[0]
+            if top and top not in stdlib | PROJECT | CORE_THIRD_PARTY | extra:
+                bad.append(f"{m.name} imports {name}")
+    return sorted(set(bad))
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def multis_outside_transitions(mods: list[Module]) -> list[str]:
+    bad = []
+    for m in mods:
+        if m.name == TRANSITIONS:
+            continue
+        for node in ast.walk(m.tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "transaction"
+            ):
+                bad.append(f"{m.name}:{node.lineno}")
+    return bad
+
+
+def oversized(root: Path, packages: set[str]) -> list[str]:
+    return [
+        f"{path.relative_to(root)}: {n} lines"
+        for package in sorted(packages)
+        for path in sorted((root / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def layout_lines(readme: str) -> set[str]:
+    """Module paths listed in README's Layout section (one per line in its code block)."""
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\s{4}([\w/]+\.py)\b", section, re.MULTILINE))
+
+
+def shipped(root: Path) -> list[Module]:
+    return list(modules(root, {p for p in LAYERS if (root / p).is_dir()}))
+
+
+# -- the project ------------------------------------------------------------------------------
+
+
+def test_dependencies_point_one_way() -> None:
+    assert upward_imports(shipped(ROOT)) == []
+
+
+def test_library_core_needs_only_kazoo_and_the_standard_library() -> None:
+    assert third_party_in_core(shipped(ROOT)) == []
+
+
+def test_no_import_cycle() -> None:
+    mods = list(modules(ROOT, {p for p in PROJECT if (ROOT / p).is_dir()}))
+    assert cycles(project_edges(ROOT, mods)) == []
+
+
+def test_every_multi_is_built_in_the_transitions_module() -> None:
+    assert multis_outside_transitions(shipped(ROOT)) == []
+
+
+def test_no_module_over_the_size_limit() -> None:
+    assert oversized(ROOT, {p for p in PROJECT if (ROOT / p).is_dir()}) == []
+
+
+def test_readme_layout_names_every_module_and_nothing_else() -> None:
+    listed = layout_lines((ROOT / "README.md").read_text())
+    present = {
+        str(path.relative_to(ROOT))
+        for package in sorted({*LAYERS, "scripts"})
+        if (ROOT / package).is_dir()
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "__init__.py" or path.parent.name == "scripts"
+    }
+    present.discard("scripts/__init__.py")
+    assert sorted(present - listed) == [], "modules missing from README's Layout section"
+    assert sorted(listed - present) == [], "README's Layout section names missing modules"
+
+
+# -- each rule fails on a tree that breaks it -------------------------------------------------
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.fixture
+def bad_tree(tmp_path: Path) -> Path:
+    return write(
+        tmp_path,
+        {
+            "zkqueue/__init__.py": "",
+            "zkqueue/a.py": "from zkqueue import b\nimport torch\n",
+            "zkqueue/b.py": "from zkqueue.a import x\nfrom workers.loop import Worker\n",
+            "zkqueue/c.py": "def f(zk):\n    return zk.transaction()\n" + "x = 1\n" * 400,
+            "workers/__init__.py": "",
+            "workers/loop.py": "from zkqueue import a\n",
+        },
+    )
+
+
+def test_rules_catch_a_bad_tree(bad_tree: Path) -> None:
+    mods = shipped(bad_tree)
+    assert upward_imports(mods) == [
+        "zkqueue.b imports workers.loop",
+        "zkqueue.b imports workers.loop.Worker",
+    ]
+    assert "zkqueue.a imports torch" in third_party_in_core(mods)
+    assert cycles(project_edges(bad_tree, mods)) == [["workers.loop", "zkqueue.a", "zkqueue.b"]]
+    assert multis_outside_transitions(mods) == ["zkqueue.c:2"]
+    assert oversized(bad_tree, {"zkqueue", "workers"}) == ["zkqueue/c.py: 402 lines"]
+
+
+def test_layout_section_is_read_line_by_line() -> None:
+    readme = "## Layout\n\n    zkqueue/a.py   what a does\n    workers/b.py   b\n\n## Next\n"
+    assert layout_lines(readme) == {"zkqueue/a.py", "workers/b.py"}

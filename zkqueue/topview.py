@@ -1,0 +1,221 @@
+"""How ``zkq top`` draws a snapshot (``zkqueue.top`` reads them): the queues, workers and recent
+results tables, throughput between frames, the KV-cache bar. Reads nothing from ZooKeeper."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from zkqueue import defaults
+
+if TYPE_CHECKING:
+    from zkqueue.exporter import ClusterState
+
+#: Worker rows shown at most.
+MAX_WORKER_ROWS = 100
+#: Throughput compares with a frame about this many seconds old: worker counters move only at
+#: heartbeats (2 s), so comparing with the frame just before would swing between 0 and double.
+RATE_WINDOW = 10.0
+_BAR = 12
+_STATUS_STYLE = {"succeeded": "green", "failed": "red", "dead": "red", "rejected": "red"}
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """One finished job, as listed under "recent"."""
+
+    id: str
+    queue: str
+    priority: str
+    status: str
+    worker: str | None
+    run_s: float | None
+    #: The result node's mtime, unix seconds (ZooKeeper's clock).
+    finished: float
+
+
+@dataclass
+class TopSnapshot:
+    """What one refresh read."""
+
+    hosts: str
+    root: str
+    cluster: ClusterState
+    recent: list[ResultRow]
+    #: Result names known per queue, so the next refresh only examines new ones.
+    seen: dict[str, set[str]] = field(default_factory=dict)
+    #: Result nodes examined by this refresh.
+    examined: int = 0
+    taken_at: float = field(default_factory=time.time)
+    monotonic: float = field(default_factory=time.monotonic)
+
+    @property
+    def errors(self) -> list[str]:
+        return self.cluster.errors
+
+    @property
+    def read_ok(self) -> bool:
+        """Whether anything at all was read (False while ZooKeeper is unreachable)."""
+        return not self.errors or bool(self.cluster.queues)
+
+
+def throughput(snap: TopSnapshot, previous: TopSnapshot | None) -> dict[str, float | None]:
+    """Jobs finished per second per queue between two snapshots: the increase of the workers'
+    ``completed`` counters (workers present in both) over the seconds between them. None when
+    there is no earlier snapshot."""
+    elapsed = snap.monotonic - previous.monotonic if previous else 0.0
+    queues = [q.name for q in snap.cluster.queues]
+    if previous is None or elapsed <= 0:
+        return dict.fromkeys(queues)
+    before = {w.get("id"): _completed(w) for w in previous.cluster.workers}
+    done = dict.fromkeys(queues, 0)
+    for worker in snap.cluster.workers:
+        if worker.get("id") in before:
+            queue = str(worker.get("queue"))
+            done[queue] = done.get(queue, 0) + max(0, _completed(worker) - before[worker["id"]])
+    return {q: n / elapsed for q, n in done.items()}
+
+
+def _completed(worker: dict[str, Any]) -> int:
+    return int(worker.get("completed", 0) or 0)
+
+
+# -- rendering -----------------------------------------------------------------------------------
+
+
+def render(
+    snap: TopSnapshot,
+    previous: TopSnapshot | None = None,
+    *,
+    note: str | None = None,
+    hint: str | None = "q quits",
+) -> RenderableType:
+    """The whole frame: a header, the queues, the workers and the recent results. Pure: it reads
+    only the snapshots (``previous`` for throughput) and this host's clock."""
+    now = time.time()
+    return Group(
+        _header(snap, note, hint),
+        _queues_table(snap, throughput(snap, previous), now),
+        _workers_table(snap, now),
+        _results_table(snap, now),
+    )
+
+
+def _header(snap: TopSnapshot, note: str | None, hint: str | None) -> Text:
+    clock = time.strftime("%H:%M:%S", time.localtime(snap.taken_at))
+    text = Text.assemble(
+        ("zkq top", "bold"),
+        f"  {snap.hosts} {snap.root}  {clock}  ",
+        f"{len(snap.cluster.queues)} queue(s), {len(snap.cluster.workers)} worker(s)  ",
+        (hint or "", "dim"),
+    )
+    for line in ([note] if note else []) + snap.errors[:3]:
+        text.append(f"\n{line}", style="bold red")
+    return text
+
+
+def _queues_table(snap: TopSnapshot, rates: dict[str, float | None], now: float) -> Table:
+    table = Table(title="queues", title_justify="left", expand=False)
+    table.add_column("queue")
+    for priority in defaults.PRIORITIES:
+        table.add_column(priority, justify="right")
+    for name in ("waiting", "running", "idle", "dead", "oldest waiting", "jobs/s"):
+        table.add_column(name, justify="right")
+    for q in snap.cluster.queues:
+        ages = {p: q.oldest_age(p, now) for p in defaults.PRIORITIES}
+        oldest = max(((a, p) for p, a in ages.items() if a is not None), default=None)
+        rate = rates.get(q.name)
+        table.add_row(
+            q.name,
+            *(str(q.depth[p]) for p in defaults.PRIORITIES),
+            str(q.total_waiting),
+            str(q.running),
+            str(q.idle_workers),
+            Text(str(q.dead), style="red" if q.dead else ""),
+            f"{format_age(oldest[0])} ({oldest[1]})" if oldest else "-",
+            "-" if rate is None else f"{rate:.2f}",
+        )
+    return table
+
+
+def _workers_table(snap: TopSnapshot, now: float) -> Table:
+    table = Table(title="workers", title_justify="left")
+    for name in ("worker", "queue", "model", "device", "state", "slots", "kv cache"):
+        table.add_column(name)
+    table.add_column("running")
+    table.add_column("heartbeat", justify="right")
+    workers = sorted(snap.cluster.workers, key=lambda w: (str(w.get("queue")), str(w.get("id"))))
+    for w in workers[:MAX_WORKER_ROWS]:
+        info = w.get("runner_info") or {}
+        beat = now - float(w.get("updated_at") or now)
+        table.add_row(
+            str(w.get("id")),
+            str(w.get("queue")),
+            str(info.get("model") or w.get("runner") or "-"),
+            str(info.get("device") or "-"),
+            Text(str(w.get("state")), style="yellow" if w.get("state") == "draining" else ""),
+            f"{w.get('slots_busy', 0)}/{w.get('slots_max', 0)}",
+            memory_bar(w.get("memory")),
+            _job_ids(w.get("running") or []),
+            Text(f"{format_age(beat)} ago", style="red" if beat > 10 else ""),
+        )
+    if len(workers) > MAX_WORKER_ROWS:
+        table.caption = f"{len(workers) - MAX_WORKER_ROWS} more worker(s) not shown"
+    return table
+
+
+def _results_table(snap: TopSnapshot, now: float) -> Table:
+    table = Table(title="recent results", title_justify="left")
+    for name in ("finished", "id", "queue", "priority", "status", "worker", "run time"):
+        table.add_column(name)
+    for r in snap.recent:
+        table.add_row(
+            f"{format_age(now - r.finished)} ago",
+            r.id,
+            r.queue,
+            r.priority,
+            Text(r.status, style=_STATUS_STYLE.get(r.status, "yellow")),
+            r.worker or "-",
+            "-" if r.run_s is None else format_age(r.run_s),
+        )
+    return table
+
+
+def memory_bar(cache: dict[str, Any] | None, width: int = _BAR) -> Text:
+    """The KV-cache pages promised to jobs in flight as a bar with figures:
+    ``████░░░░ 48/96 pages``; ``-`` when the worker has no cache (echo)."""
+    if not cache or not cache.get("pages_total"):
+        return Text("-")
+    total = int(cache["pages_total"])
+    used = min(total, max(0, int(cache.get("pages_promised") or 0)))
+    filled = round(width * used / total)
+    share = used / total
+    style = "red" if share > 0.9 else "yellow" if share > 0.7 else "green"
+    return Text.assemble(
+        ("█" * filled, style), ("░" * (width - filled), "dim"), f" {used}/{total} pages"
+    )
+
+
+def _job_ids(ids: list[str], shown: int = 3) -> str:
+    text = ",".join(ids[:shown]) or "-"
+    return f"{text} +{len(ids) - shown}" if len(ids) > shown else text
+
+
+def format_age(seconds: float) -> str:
+    """A duration for people: ``0.4s``, ``42s``, ``3m05s``, ``2h10m``."""
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+# -- the live view -------------------------------------------------------------------------------
