@@ -18,7 +18,7 @@ from bench_redis import RedisServer
 from kazoo.client import KazooClient
 
 from zkqueue import Client
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
 
 QUEUE = "bench"
 

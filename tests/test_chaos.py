@@ -18,7 +18,7 @@ from workers.runners.echo import EchoRunner
 from zkqueue import Client, chaos
 from zkqueue.chaos import ChaosReport
 from zkqueue.janitor import JanitorService
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
 
 pytestmark = pytest.mark.slow
 

@@ -46,7 +46,7 @@ from zkqueue.errors import JobWithdrawn, ZkqError
 from zkqueue.janitor import JanitorService
 from zkqueue.job import Job
 from zkqueue.layout import Layout, child
-from zkqueue.zkserver import ZkCluster, ZkServer
+from zkqueue.testing import ZkCluster, ZkServer
 
 QUEUE = defaults.QUEUE
 _REPO = Path(__file__).resolve().parents[1]
