@@ -1,10 +1,9 @@
-#!/usr/bin/env python
-"""zkq chaos run: every fault-injection scenario of zkqueue.chaos against real ZooKeeper servers
-and real worker processes, then RELIABILITY.md with the figures.
+"""zkq chaos run: every fault-injection scenario against real ZooKeeper servers and real worker
+processes, then RELIABILITY.md with the figures. From the repository root:
 
-    .venv/bin/python scripts/chaos.py                  # full sizes, 3 runs each: ~5 min, 2 cores
-    .venv/bin/python scripts/chaos.py --quick          # the tests' sizes, 1 run each: ~1 min
-    .venv/bin/python scripts/chaos.py --only kill-9,hung --out /tmp/r.md --json /tmp/r.json
+    .venv/bin/python -m scripts.chaos                  # full sizes, 3 runs each: ~5 min, 2 cores
+    .venv/bin/python -m scripts.chaos --quick          # the tests' sizes, 1 run each: ~1 min
+    .venv/bin/python -m scripts.chaos --only kill-9,hung --out /tmp/r.md --json /tmp/r.json
 
 Exit code 0 when every scenario kept the promise (every job exactly one result, none lost or
 duplicated), 1 otherwise. Each scenario starts its own ZooKeeper on loopback.
@@ -25,10 +24,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from zkqueue import chaos
-from zkqueue.chaos import ChaosReport
+from scripts.chaos.audit import ChaosReport
+from scripts.chaos.scenarios import SCENARIOS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: Sizes of the full run (each scenario runs 3 times): about 5 minutes on a 2-core machine.
 FULL: dict[str, dict[str, Any]] = {
@@ -151,17 +150,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def chosen(args: argparse.Namespace) -> list[str]:
     only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - set(chaos.SCENARIOS)
+    unknown = set(only) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenario(s): {', '.join(sorted(unknown))}")
-    return only or list(chaos.SCENARIOS)
+    return only or list(SCENARIOS)
 
 
 def run_one(name: str, sizes: dict[str, Any]) -> ChaosReport:
     """Run a scenario; a scenario that could not even set up its fault is a failed report."""
     started = time.monotonic()
     try:
-        return chaos.SCENARIOS[name](**sizes)
+        return SCENARIOS[name](**sizes)
     except Exception as exc:
         report = ChaosReport(name, "(setup failed)", recovery="n/a")
         report.checks["the scenario ran"] = False
@@ -206,7 +205,7 @@ def fmt_recovery(r: ChaosReport) -> str:
 
 
 def command(argv: list[str]) -> str:
-    return " ".join([".venv/bin/python", "scripts/chaos.py", *argv])
+    return " ".join([".venv/bin/python", "-m", "scripts.chaos", *argv])
 
 
 def environment() -> str:
