@@ -1,5 +1,6 @@
-"""zkq chaos run: every fault-injection scenario against real ZooKeeper servers and real worker
-processes, then RELIABILITY.md with the figures. From the repository root:
+"""zkq chaos run: every fault-injection scenario, then RELIABILITY.md with the figures.
+
+Real ZooKeeper servers, real worker processes, all on loopback. From the repository root:
 
     .venv/bin/python -m scripts.chaos                  # full sizes, 3 runs each: ~5 min, 2 cores
     .venv/bin/python -m scripts.chaos --quick          # the tests' sizes, 1 run each: ~1 min
