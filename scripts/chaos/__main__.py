@@ -140,7 +140,9 @@ Known and not fixed here:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.chaos", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (the tests' sizes)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {list(FULL)}")
     parser.add_argument("--out", default=str(REPO / "RELIABILITY.md"), help="markdown report")
