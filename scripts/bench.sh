@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark: install what is missing (./scripts/setup.sh, the bench extra with matplotlib,
-# redis and pyinstrument, and Debian's redis-server for the baseline), then run scripts/bench.py
-# with the arguments given. Examples:
+# redis and pyinstrument, and Debian's redis-server for the baseline), then run
+# `python -m scripts.bench` with the arguments given. Examples:
 #   ./scripts/bench.sh --quick                 # under 2 minutes, results in bench-results/
 #   ./scripts/bench.sh --out docs/bench        # the full run quoted in BENCHMARKS.md
 set -euo pipefail
@@ -22,4 +22,4 @@ if ! command -v redis-server >/dev/null; then
   DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq redis-server >/dev/null
 fi
 
-exec .venv/bin/python scripts/bench.py "$@"
+exec .venv/bin/python -m scripts.bench "$@"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from zkqueue import Client, Result
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
 
 ROOT = "/zkq-demo"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

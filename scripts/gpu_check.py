@@ -32,7 +32,7 @@ from workers.runners.base import Outcome, RunningJob
 from workers.runners.hf import HFRunner
 from workers.tinymodel import build_tokenizer
 from zkqueue import Client
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 

@@ -24,7 +24,7 @@ from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.layout import Layout
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
 
 ZKQ = [sys.executable, "-m", "zkqueue.cli"]
 

@@ -1,4 +1,4 @@
-"""Chaos: every scenario of zkqueue.chaos at a small size against real ZooKeeper servers and real
+"""Chaos: every scenario of scripts/chaos at a small size against real ZooKeeper servers and real
 worker processes (the promise: every job ends with exactly one result), plus regression tests for
 the library bugs the scenarios found."""
 
@@ -13,12 +13,13 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import ConnectionLoss
 from kazoo.protocol.connection import _CONNECTION_DROP
 
+from scripts.chaos import crashes, garbage, outages
+from scripts.chaos.audit import ChaosReport
 from tests.conftest import wait_for
 from workers.runners.echo import EchoRunner
-from zkqueue import Client, chaos
-from zkqueue.chaos import ChaosReport
+from zkqueue import Client
 from zkqueue.janitor import JanitorService
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def assert_promise_held(report: ChaosReport) -> None:
 
 
 def test_kill_9_of_workers_mid_job(zk_cluster: ZkCluster) -> None:
-    report = chaos.kill_workers(jobs=20, workers=3, kills=1, hosts=zk_cluster.hosts)
+    report = crashes.kill_workers(jobs=20, workers=3, kills=1, hosts=zk_cluster.hosts)
     assert_promise_held(report)
     assert report.details["rerun_elsewhere"] >= 1
     assert max(report.attempts) >= 2
@@ -52,7 +53,7 @@ def test_kill_9_of_workers_mid_job(zk_cluster: ZkCluster) -> None:
 
 
 def test_sigstop_longer_than_the_session_then_sigcont(zk_cluster: ZkCluster) -> None:
-    report = chaos.stop_worker(jobs=12, workers=2, hosts=zk_cluster.hosts)
+    report = crashes.stop_worker(jobs=12, workers=2, hosts=zk_cluster.hosts)
     assert_promise_held(report)
     assert report.details["stale_writes"] == 0
     assert report.checks["its session expired while it was stopped"]
@@ -61,7 +62,7 @@ def test_sigstop_longer_than_the_session_then_sigcont(zk_cluster: ZkCluster) -> 
 
 
 def test_zookeeper_stopped_for_15s_then_restarted() -> None:
-    report = chaos.zookeeper_restart(jobs=12, workers=2, outage=15.0, attached=2)
+    report = outages.zookeeper_restart(jobs=12, workers=2, outage=15.0, attached=2)
     assert_promise_held(report)
     assert report.withdrawn == 0
     assert report.checks["worker processes alive, never restarted"]
@@ -70,7 +71,7 @@ def test_zookeeper_stopped_for_15s_then_restarted() -> None:
 
 
 def test_ensemble_leader_then_follower_killed_and_restarted() -> None:
-    report = chaos.ensemble_failover(jobs=30, workers=3)
+    report = outages.ensemble_failover(jobs=30, workers=3)
     assert_promise_held(report)
     assert report.checks["worker processes alive, never restarted"]
     assert report.details["submit_errors"] == []
@@ -78,16 +79,16 @@ def test_ensemble_leader_then_follower_killed_and_restarted() -> None:
 
 
 def test_hung_worker_is_fenced_by_its_lease(zk_cluster: ZkCluster) -> None:
-    report = chaos.hung_worker(jobs=6, workers=1, hosts=zk_cluster.hosts)
+    report = crashes.hung_worker(jobs=6, workers=1, hosts=zk_cluster.hosts)
     assert_promise_held(report)
     assert report.details["hung_job_attempts"] == 2
     assert report.details["hung_stats"] == {"completed": 0, "fenced": 1}
 
 
 def test_garbage_entries_are_dead_lettered_and_good_jobs_run(zk_cluster: ZkCluster) -> None:
-    report = chaos.garbage_entries(jobs=8, workers=2, hosts=zk_cluster.hosts)
+    report = garbage.garbage_entries(jobs=8, workers=2, hosts=zk_cluster.hosts)
     assert_promise_held(report)
-    kinds = len(chaos.BAD_DATA) + len(chaos.BAD_NAMES)
+    kinds = len(garbage.BAD_DATA) + len(garbage.BAD_NAMES)
     assert report.details["dead_letters"] == report.details["garbage_entries"] >= kinds + 2
 
 

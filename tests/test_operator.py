@@ -165,7 +165,7 @@ def test_completion_script(zkq) -> None:
 def test_worker_serves_prometheus_metrics(spawn_worker, client: Client) -> None:
     import urllib.request
 
-    from zkqueue.zkserver import free_port
+    from zkqueue.testing import free_port
 
     port = free_port()
     spawn_worker(

@@ -20,7 +20,7 @@ from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.connection import ConnectionSettings, connect
 from zkqueue.errors import AccessDenied, ConfigurationError, ExitCode
-from zkqueue.zkserver import ZkCluster, write_test_pki
+from zkqueue.testing import ZkCluster, write_test_pki
 
 SECRET = "s3cret-Pa55"
 AUTH = f"alice:{SECRET}"

@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import bench_wire
-from bench_core import QUEUE, AgentHandle, Bench, call_all, pid_cpu, wait_until
-from bench_redis import RedisQueue
-from bench_scenarios import raw_rates
 from kazoo.recipe.queue import LockingQueue
+
+from scripts.bench import wire
+from scripts.bench.core import QUEUE, AgentHandle, Bench, call_all, pid_cpu, wait_until
+from scripts.bench.scenarios import raw_rates
 
 
 def run_dispatch(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
@@ -70,9 +70,9 @@ def zkq_run(bench: Bench, procs: int, slots: int, mode: str, n: int) -> dict[str
     call_all(agents, "zkq_start", root=root, queue=QUEUE, slots=slots)
     producer_wire: dict[str, Any] = {}
     if mode == "prefill":
-        before = bench_wire.snapshot()
+        before = wire.snapshot()
         client.submit_many([_prompt(i) for i in range(n)], queue=QUEUE, detach=True)
-        producer_wire = bench_wire.delta(bench_wire.snapshot(), before)
+        producer_wire = wire.delta(wire.snapshot(), before)
     results = client.layout.results(QUEUE)
     run = _Run(bench, agents, lambda: bench.children(results) >= n, n)
     if mode == "prefill":
@@ -99,9 +99,9 @@ def lq_run(bench: Bench, procs: int, mode: str, n: int) -> dict[str, Any]:
     call_all(agents, "lq_start", path=path)
     producer_wire: dict[str, Any] = {}
     if mode == "prefill":
-        before = bench_wire.snapshot()
+        before = wire.snapshot()
         _prefill_lq(bench, path, n)
-        producer_wire = bench_wire.delta(bench_wire.snapshot(), before)
+        producer_wire = wire.delta(wire.snapshot(), before)
     entries = f"{path}/entries"
 
     def drained() -> bool:
@@ -140,6 +140,8 @@ def _prefill_lq(bench: Bench, path: str, n: int) -> None:
 def redis_run(
     bench: Bench, procs: int, mode: str, n: int, durable: bool, rep: int
 ) -> dict[str, Any]:
+    from scripts.bench.redis_baseline import RedisQueue  # the bench extra's redis
+
     server = bench.redis_server()
     prefix = f"b{procs}{mode[0]}{int(durable)}r{rep}"
     queue = RedisQueue(server.port, prefix)
@@ -231,7 +233,7 @@ class _Run:
 def _sum_delta(after: list[dict[str, Any]], before: list[dict[str, Any]], key: str) -> Any:
     total: dict[str, Any] = {}
     for a, b in zip(after, before, strict=True):
-        total = bench_wire.add(total, bench_wire.delta(a[key], b[key]))
+        total = wire.add(total, wire.delta(a[key], b[key]))
     return total
 
 
@@ -259,9 +261,9 @@ def _sum_worker_stats(stats: list[dict[str, Any]]) -> dict[str, int]:
 def _per_job(row: dict[str, Any]) -> dict[str, Any]:
     """Round trips, notifications and CPU per job, from the run's totals."""
     n = max(1, row["done"])
-    w_reads, w_writes = bench_wire.split_requests(row["workers_wire"].get("requests", {}))
+    w_reads, w_writes = wire.split_requests(row["workers_wire"].get("requests", {}))
     p_wire = row.get("producer_wire", {})
-    p_reads, p_writes = bench_wire.split_requests(p_wire.get("requests", {}))
+    p_reads, p_writes = wire.split_requests(p_wire.get("requests", {}))
     row["per_job"] = {
         "worker_reads": w_reads / n,
         "worker_writes": w_writes / n,
@@ -273,7 +275,7 @@ def _per_job(row: dict[str, Any]) -> dict[str, Any]:
         "producer_requests": {k: v / n for k, v in p_wire.get("requests", {}).items()},
         "multi_ops": {
             k: v / n
-            for k, v in bench_wire.add(
+            for k, v in wire.add(
                 row["workers_wire"].get("multi_ops", {}), p_wire.get("multi_ops", {})
             ).items()
         },

@@ -1,7 +1,14 @@
-"""Real ZooKeeper servers on loopback for tests, the demo and benchmarks (Debian's package).
+"""Real ZooKeeper servers on loopback, for tests, demos and benchmarks: zkq's own and its users'.
 
-Each server gets free ports, a throwaway data dir, a short tickTime and no admin server. An
-ensemble of 3 or 5 servers is started the same way. Nothing here is a fake: it runs zkServer.sh.
+Like ``kazoo.testing``, this is the harness the project's tests use, shipped so that code built
+on zkq can test against the same thing: ``ZkCluster(1)`` is a standalone server, ``ZkCluster(3)``
+an ensemble, each server with free ports, a throwaway data dir, a short tickTime and no admin
+server; ``ZkServer`` is one of them, to stop, kill and start again for fault injection. Nothing
+here is a fake: it runs Debian's ``zkServer.sh`` (or ``ZKQ_ZKSERVER_SH``). It needs only the
+standard library and zkq's error types.
+
+    with ZkCluster(1) as cluster:
+        client = Client(cluster.hosts, "/test").start()
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zkqueue.errors import ConfigurationError
+
+__all__ = ["TestPki", "ZkCluster", "ZkServer", "four_letter", "free_port", "write_test_pki"]
 
 ZK_SERVER_SH = os.environ.get("ZKQ_ZKSERVER_SH", "/usr/share/zookeeper/bin/zkServer.sh")
 # Debian's zookeeper.jar manifest lacks netty-codec/netty-resolver, which its TLS (Netty) needs.

@@ -1,23 +1,19 @@
-"""Scenarios 2-5 and the profile: latency on an idle system, herd, depth, producer bulk, and
-pyinstrument profiles of the worker's hot path and the producers. Each uses a fresh root on the
+"""The warm-up, raw ZooKeeper rates and scenarios 2, 4 and 5: latency on an idle system, depth and
+producer bulk (the herd and the profiles have their own modules). Each uses a fresh root on the
 run's one ZooKeeper."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import bench_wire
-from bench_core import QUEUE, AgentHandle, Bench, call_all, median, percentile, wait_until
-from kazoo.recipe.queue import LockingQueue
-
+from scripts.bench import wire
+from scripts.bench.core import PROMPT, QUEUE, Bench, median, percentile, wait_until
 from zkqueue.client import new_job_id
 from zkqueue.spec import build_spec
 
 Log = Callable[[str], None]
-_PROMPT = "benchmark job number 0"
 
 
 # -- warm-up and raw rates ----------------------------------------------------------------------
@@ -79,7 +75,7 @@ def async_create_rate(bench: Bench, root: str, n: int, window: int = 512) -> flo
 
 
 def _spec_bytes() -> bytes:
-    return build_spec(_PROMPT, None, {}).to_bytes()
+    return build_spec(PROMPT, None, {}).to_bytes()
 
 
 def raw_rates(bench: Bench, n_sync: int, n_async: int) -> dict[str, float]:
@@ -119,7 +115,7 @@ def run_latency(bench: Bench, log: Log) -> dict[str, Any]:
         bench.zk.create(f"{scratch}/x-", data, sequence=True)
         creates.append(time.perf_counter() - start)
         start, wall = time.perf_counter(), time.time()
-        record = client.submit(_PROMPT, queue=QUEUE).result(timeout=10)
+        record = client.submit(PROMPT, queue=QUEUE).result(timeout=10)
         jobs.append(time.perf_counter() - start)
         end = time.time()
         dispatch.append((record.started_at or 0) - (record.submitted_at or wall))
@@ -145,114 +141,6 @@ def run_latency(bench: Bench, log: Log) -> dict[str, Any]:
         f"{out['create_p50_ms']:.2f} ms; ratio {out['ratio_p50']:.1f}x"
     )
     return out
-
-
-# -- 3. herd ----------------------------------------------------------------------------------
-
-
-def run_herd(bench: Bench, log: Log) -> dict[str, Any]:
-    rows = []
-    for size in bench.config.herd_sizes:
-        rows.append(_herd_zkq(bench, size))
-        log(_herd_line(rows[-1]))
-        rows.append(_herd_lq(bench, size))
-        log(_herd_line(rows[-1]))
-    return {"rows": rows}
-
-
-def _herd_line(row: dict[str, Any]) -> str:
-    return (
-        f"  {row['system']:<13} {row['workers']:>2} idle: {row['notifications_per_job']:.2f} "
-        f"notifications/job, at most {row['max_sessions_woken']} sessions woken"
-    )
-
-
-def _herd_zkq(bench: Bench, size: int) -> dict[str, Any]:
-    root = bench.fresh_root(f"herd{size}")
-    client = bench.client(root)
-    client.ensure_queue(QUEUE)
-    agents = bench.agents(size)
-    call_all(agents, "zkq_start", root=root, queue=QUEUE, slots=1)
-    call_all(agents, "go")
-    line = client.layout.line(QUEUE)
-    wait_until(lambda: bench.children(line) == size, 30)
-
-    def one_job() -> None:
-        client.submit(_PROMPT, queue=QUEUE).result(timeout=10)
-        wait_until(lambda: bench.children(line) == size, 10, 0.002)
-
-    row = _herd_measure(bench, agents, one_job)
-    call_all(agents, "stop")
-    row.update(system="zkq", workers=size)
-    return row
-
-
-def _herd_lq(bench: Bench, size: int) -> dict[str, Any]:
-    path = bench.fresh_root(f"lqherd{size}")
-    lq = LockingQueue(bench.zk, path)
-    lq._ensure_paths()
-    agents = bench.agents(size)
-    call_all(agents, "lq_start", path=path)
-    call_all(agents, "go")
-    time.sleep(0.3)  # every consumer into its first get(): it lists and sets its watches
-
-    def one_job() -> None:
-        lq.put(b'{"prompt": "benchmark job number 0"}')
-        wait_until(
-            lambda: bench.children(f"{path}/entries") + bench.children(f"{path}/taken") == 0,
-            10,
-            0.002,
-        )
-
-    row = _herd_measure(bench, agents, one_job)
-    call_all(agents, "stop")
-    row.update(system="LockingQueue", workers=size)
-    return row
-
-
-def _herd_measure(
-    bench: Bench, agents: list[AgentHandle], one_job: Callable[[], None]
-) -> dict[str, Any]:
-    """Run jobs one at a time; after each, flush every session's notifications and count them."""
-    per_job, woken, events = [], [], []
-    before = first = call_all(agents, "stats", flush=True)
-    for _ in range(bench.config.herd_jobs):
-        one_job()
-        after = call_all(agents, "stats", flush=True)
-        counts = [_watches(a) - _watches(b) for a, b in zip(after, before, strict=True)]
-        per_job.append(sum(counts))
-        woken.append(sum(1 for c in counts if c > 0))
-        events.append(
-            sum(
-                a.get("worker", {}).get("watch_events", 0)
-                - b.get("worker", {}).get("watch_events", 0)
-                for a, b in zip(after, before, strict=True)
-            )
-        )
-        before = after
-    jobs = max(1, len(per_job))
-    return {
-        "jobs": len(per_job),
-        "notifications_per_job": sum(per_job) / jobs,
-        "max_notifications": max(per_job, default=0),
-        "sessions_woken_per_job": sum(woken) / jobs,
-        "max_sessions_woken": max(woken, default=0),
-        "worker_watch_events_per_job": sum(events) / jobs,
-        "by_type": {k: v / jobs for k, v in _watch_types(before, first).items() if v},
-    }
-
-
-def _watches(stats: dict[str, Any]) -> int:
-    return sum(stats["wire"].get("watches", {}).values())
-
-
-def _watch_types(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, int]:
-    """Notifications by event type and watched path, summed over the sessions."""
-    total: dict[str, int] = {}
-    for a, b in zip(after, before, strict=True):
-        for k, v in a["wire"].get("watches", {}).items():
-            total[k] = total.get(k, 0) + v - b["wire"].get("watches", {}).get(k, 0)
-    return total
 
 
 # -- 4. depth ---------------------------------------------------------------------------------
@@ -303,8 +191,8 @@ def _depth_once(bench: Bench, depth: int) -> dict[str, Any]:
     after = agent.call("stats")
     agent.call("stop")
     done = bench.children(results) if not finished else cfg.depth_claims
-    wire = bench_wire.delta(after["wire"], before["wire"])
-    reads, writes = bench_wire.split_requests(wire["requests"])
+    traffic = wire.delta(after["wire"], before["wire"])
+    reads, writes = wire.split_requests(traffic["requests"])
     timers = after.get("timers", {})
     return {
         "depth": depth,
@@ -369,70 +257,3 @@ def _submit_many_rate(bench: Bench, n: int, profile: bool = False) -> float:
     start = time.perf_counter()
     client.submit_many(specs, queue=QUEUE, detach=True)
     return n / (time.perf_counter() - start)
-
-
-# -- profiles ---------------------------------------------------------------------------------
-
-
-def run_profile(bench: Bench, log: Log) -> dict[str, Any]:
-    """pyinstrument on the worker loop thread (1 and 4 processes, pre-filled echo jobs), on
-    submit_many and on one-at-a-time submits. Text reports go next to results.json."""
-    files = {}
-    n = bench.config.dispatch_jobs
-    shapes = ((1, 1), (4, 4)) if bench.config.quick else ((1, 1), (4, 1), (4, 4))
-    for procs, slots in shapes:
-        name = f"profile-worker-{procs}x{slots}.txt"
-        text, cpu = _profile_workers(bench, procs, slots, n)
-        (bench.out / name).write_text(_relative(cpu + "\n\n" + text))
-        files[f"worker_{procs}x{slots}"] = name
-    files["submit_many"] = _profile_submit_many(bench, bench.config.bulk_jobs)
-    produced = bench.special("producer").call(
-        "produce_zkq", root=bench.fresh_root("profsubmit"), queue=QUEUE, n=300, profile=True
-    )
-    (bench.out / "profile-submit.txt").write_text(_relative(produced["profile"]))
-    files["submit"] = "profile-submit.txt"
-    log(f"  wrote {', '.join(files.values())}")
-    return {"files": files}
-
-
-def _profile_workers(bench: Bench, procs: int, slots: int, n: int) -> tuple[str, str]:
-    root = bench.fresh_root(f"prof{procs}x{slots}")
-    client = bench.client(root)
-    client.ensure_queue(QUEUE)
-    agents = bench.agents(procs)
-    call_all(agents, "zkq_start", root=root, queue=QUEUE, slots=slots, profile=True)
-    client.submit_many([f"profiled job {i}" for i in range(n)], queue=QUEUE, detach=True)
-    before = call_all(agents, "stats")
-    call_all(agents, "go")
-    results = client.layout.results(QUEUE)
-    wait_until(lambda: bench.children(results) >= n, max(30.0, n / 10))
-    stopped = call_all(agents, "stop")
-    roles: dict[str, float] = {}
-    for a, b in zip(stopped, before, strict=True):
-        for role, seconds in a["cpu"].items():
-            roles[role] = roles.get(role, 0.0) + seconds - b["cpu"].get(role, 0.0)
-    cpu = "CPU ms per job by thread, all worker processes: " + ", ".join(
-        f"{k} {v / n * 1e3:.2f}" for k, v in sorted(roles.items())
-    )
-    return stopped[0].get("profile") or "(no profile)", cpu
-
-
-def _profile_submit_many(bench: Bench, n: int) -> str:
-    from pyinstrument import Profiler
-
-    root = bench.fresh_root("profbulk")
-    client = bench.client(root)
-    client.ensure_queue(QUEUE)
-    profiler = Profiler(interval=0.0005, async_mode="disabled")
-    profiler.start()
-    client.submit_many([f"bulk job {i}" for i in range(n)], queue=QUEUE, detach=True)
-    profiler.stop()
-    name = "profile-submit-many.txt"
-    (bench.out / name).write_text(_relative(profiler.output_text(show_all=False)))
-    return name
-
-
-def _relative(text: str) -> str:
-    """Profiles name source files by absolute path: keep them relative to the repository."""
-    root = str(Path(__file__).resolve().parents[1]) + "/"
-    return text.replace(root, "")

@@ -1,10 +1,10 @@
-#!/usr/bin/env python
-"""zkq chaos run: every fault-injection scenario of zkqueue.chaos against real ZooKeeper servers
-and real worker processes, then RELIABILITY.md with the figures.
+"""zkq chaos run: every fault-injection scenario, then RELIABILITY.md with the figures.
 
-    .venv/bin/python scripts/chaos.py                  # full sizes, 3 runs each: ~5 min, 2 cores
-    .venv/bin/python scripts/chaos.py --quick          # the tests' sizes, 1 run each: ~1 min
-    .venv/bin/python scripts/chaos.py --only kill-9,hung --out /tmp/r.md --json /tmp/r.json
+Real ZooKeeper servers, real worker processes, all on loopback. From the repository root:
+
+    .venv/bin/python -m scripts.chaos                  # full sizes, 3 runs each: ~5 min, 2 cores
+    .venv/bin/python -m scripts.chaos --quick          # the tests' sizes, 1 run each: ~1 min
+    .venv/bin/python -m scripts.chaos --only kill-9,hung --out /tmp/r.md --json /tmp/r.json
 
 Exit code 0 when every scenario kept the promise (every job exactly one result, none lost or
 duplicated), 1 otherwise. Each scenario starts its own ZooKeeper on loopback.
@@ -25,10 +25,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from zkqueue import chaos
-from zkqueue.chaos import ChaosReport
+from scripts.chaos.audit import ChaosReport
+from scripts.chaos.scenarios import SCENARIOS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: Sizes of the full run (each scenario runs 3 times): about 5 minutes on a 2-core machine.
 FULL: dict[str, dict[str, Any]] = {
@@ -140,7 +140,9 @@ Known and not fixed here:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.chaos", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (the tests' sizes)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {list(FULL)}")
     parser.add_argument("--out", default=str(REPO / "RELIABILITY.md"), help="markdown report")
@@ -151,17 +153,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def chosen(args: argparse.Namespace) -> list[str]:
     only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - set(chaos.SCENARIOS)
+    unknown = set(only) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenario(s): {', '.join(sorted(unknown))}")
-    return only or list(chaos.SCENARIOS)
+    return only or list(SCENARIOS)
 
 
 def run_one(name: str, sizes: dict[str, Any]) -> ChaosReport:
     """Run a scenario; a scenario that could not even set up its fault is a failed report."""
     started = time.monotonic()
     try:
-        return chaos.SCENARIOS[name](**sizes)
+        return SCENARIOS[name](**sizes)
     except Exception as exc:
         report = ChaosReport(name, "(setup failed)", recovery="n/a")
         report.checks["the scenario ran"] = False
@@ -206,7 +208,7 @@ def fmt_recovery(r: ChaosReport) -> str:
 
 
 def command(argv: list[str]) -> str:
-    return " ".join([".venv/bin/python", "scripts/chaos.py", *argv])
+    return " ".join([".venv/bin/python", "-m", "scripts.chaos", *argv])
 
 
 def environment() -> str:

@@ -10,17 +10,21 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import bench_agents
-import bench_wire
-from bench_redis import RedisServer
 from kazoo.client import KazooClient
 
+from scripts.bench import wire
+from scripts.bench.agents import agent_main
 from zkqueue import Client
-from zkqueue.zkserver import ZkCluster
+from zkqueue.testing import ZkCluster
+
+if TYPE_CHECKING:
+    from scripts.bench.redis_baseline import RedisServer
 
 QUEUE = "bench"
+#: The prompt of a job whose content does not matter (echo work).
+PROMPT = "benchmark job number 0"
 
 
 @dataclass
@@ -92,9 +96,7 @@ class AgentHandle:
     def __init__(self, ctx: Any, hosts: str, name: str) -> None:
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=bench_agents.agent_main, args=(child, hosts), name=name, daemon=True
-        )
+        self.process = ctx.Process(target=agent_main, args=(child, hosts), name=name, daemon=True)
         self.process.start()
         child.close()
         self.busy = False
@@ -150,11 +152,11 @@ class Bench:
         self.out = out
         self.cluster = ZkCluster(1).start()
         self.hosts = self.cluster.hosts
-        bench_wire.install()
+        wire.install()
         self.zk = KazooClient(hosts=self.hosts, timeout=10.0)
         self.zk.start(timeout=30)
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["bench_agents"])
+        self.ctx.set_forkserver_preload(["scripts.bench.agents"])
         self._pool: list[AgentHandle] = []
         self._special: dict[str, AgentHandle] = {}
         self._roots = itertools.count()
@@ -197,6 +199,8 @@ class Bench:
 
     def redis_server(self) -> RedisServer:
         if self.redis is None:
+            from scripts.bench.redis_baseline import RedisServer  # the bench extra's redis
+
             self.redis = RedisServer().start()
         return self.redis
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_core import QUEUE, AgentHandle, Bench, median
+from scripts.bench.core import QUEUE, AgentHandle, Bench, median
 
 _WORDS = [
     "queue",

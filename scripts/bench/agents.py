@@ -2,7 +2,8 @@
 harness over a pipe. An agent runs one service at a time (a zkq worker, a kazoo LockingQueue
 consumer, a Redis queue worker) on a thread, gated by a ``go`` so that every process of a run
 starts together, or it runs one-shot commands (producers, direct ``generate``). Agents are forked
-from a forkserver that has imported this module, so starting sixteen of them is cheap."""
+from a forkserver that has imported this module, so starting sixteen of them is cheap. What they
+run is in services.py."""
 
 from __future__ import annotations
 
@@ -12,27 +13,22 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
-import bench_redis
-import bench_wire
 from kazoo.client import KazooClient
 from kazoo.protocol.states import Callback
 from kazoo.recipe.queue import LockingQueue
 
-from workers.loop import Worker
-from workers.runners.base import Runner
+from scripts.bench import wire
+from scripts.bench.services import LockingQueueService, RedisService, Service, ZkqService
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-
-_JOIN_TIMEOUT = 20.0
 
 
 def agent_main(conn: Connection, hosts: str) -> None:
     """Entry point of an agent process: serve (command, kwargs) tuples until ``exit``."""
-    bench_wire.install()
+    wire.install()
     agent = Agent(hosts)
     try:
         while True:
@@ -59,7 +55,7 @@ def flush_watches(zk: KazooClient) -> None:
 def process_stats(zk: KazooClient | None, flush: bool = False) -> dict[str, Any]:
     if flush and zk is not None:
         flush_watches(zk)
-    return {"wire": bench_wire.snapshot(), "cpu": bench_wire.thread_cpu()}
+    return {"wire": wire.snapshot(), "cpu": wire.thread_cpu()}
 
 
 class Agent:
@@ -110,7 +106,7 @@ class Agent:
             self.service.stop()
         self.service = service
         service.start()
-        return {"pid": _pid()}
+        return {"pid": os.getpid()}
 
     def cmd_go(self) -> None:
         if self.service is None:
@@ -161,7 +157,9 @@ class Agent:
         return _timed_producer(lambda i: lq.put(_job_bytes(i)), n, False)
 
     def cmd_produce_redis(self, port: int, prefix: str, n: int) -> dict[str, Any]:
-        producer = bench_redis.RedisQueue(port, prefix)
+        from scripts.bench.redis_baseline import RedisQueue  # the bench extra's redis
+
+        producer = RedisQueue(port, prefix)
         try:
             return _timed_producer(lambda i: producer.put(f"j{i}", _prompt(i)), n, False)
         finally:
@@ -183,15 +181,15 @@ class Agent:
         thread of the process (the worker's executor threads included) starts with."""
         if torch_threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(torch_threads)
-        import bench_model_agent
+        from scripts.bench import model_agent
 
         start = time.perf_counter()
-        bench_model_agent.ensure_model(model_dir)
+        model_agent.ensure_model(model_dir)
         runner = self._hf_runner(model_dir)
         load = time.perf_counter() - start
         for batch in batches:
-            bench_model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
-        bench_model_agent.direct_generate(model_dir, prompts, max_new_tokens, max(batches))
+            model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
+        model_agent.direct_generate(model_dir, prompts, max_new_tokens, max(batches))
         import torch
 
         return {
@@ -203,206 +201,24 @@ class Agent:
     def cmd_hf_direct(
         self, model_dir: str, prompts: list[str], max_new_tokens: int, batch: int
     ) -> dict[str, Any]:
-        import bench_model_agent
+        from scripts.bench import model_agent
 
-        return bench_model_agent.direct_generate(model_dir, prompts, max_new_tokens, batch)
+        return model_agent.direct_generate(model_dir, prompts, max_new_tokens, batch)
 
     def cmd_hf_runner_direct(
         self, model_dir: str, prompts: list[str], max_new_tokens: int, batch: int
     ) -> dict[str, Any]:
-        import bench_model_agent
+        from scripts.bench import model_agent
 
         runner = self._hf_runner(model_dir)
-        return bench_model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
+        return model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
 
     def _hf_runner(self, model_dir: str) -> Any:
         if model_dir not in self._runners:
-            import bench_model_agent
+            from scripts.bench import model_agent
 
-            self._runners[model_dir] = bench_model_agent.load_runner(model_dir)
+            self._runners[model_dir] = model_agent.load_runner(model_dir)
         return self._runners[model_dir]
-
-
-# -- services -------------------------------------------------------------------------------
-
-
-class Service:
-    """Something that runs on a thread after ``go``: start() returns once it is ready."""
-
-    def __init__(self) -> None:
-        self.go = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def final(self) -> dict[str, Any]:
-        return {}
-
-
-class ZkqService(Service):
-    """One zkq worker (workers.loop.Worker) with timers on its hot-path methods."""
-
-    def __init__(
-        self,
-        zk: KazooClient,
-        runner: Runner,
-        root: str,
-        queue: str,
-        slots: int,
-        profile: bool,
-    ) -> None:
-        super().__init__()
-        self.worker = Worker(zk, runner, queue=queue, root=root, slots=slots)
-        self.timers = bench_wire.Timers()
-        self.profile = profile
-        self._profile_text: str | None = None
-        self._ready = threading.Event()
-        self._wrap_hot_path()
-
-    def _wrap_hot_path(self) -> None:
-        w, t = self.worker, self.timers
-        claimed_before = [0]
-
-        def turn_start() -> None:
-            claimed_before[0] = w.stats.claimed
-
-        dispatch = getattr(w, "_dispatch", None)
-        if dispatch is None:
-            return
-
-        def timed_dispatch() -> None:
-            turn_start()
-            start = time.perf_counter()
-            dispatch()
-            if w.stats.claimed > claimed_before[0]:
-                t.add("head_turn", time.perf_counter() - start)
-                t.add("jobs_per_turn", float(w.stats.claimed - claimed_before[0]))
-
-        w._dispatch = timed_dispatch
-        t.wrap(w.view, "refresh", "view_refresh")
-        t.wrap(w, "_pick", "pick")
-        t.wrap(w.claims, "claim", "claim_multi")
-        t.wrap(w.claims, "complete", "complete_multi")
-        t.wrap(w.line, "_ask_head", "ask_head")
-        t.wrap(w, "_watch_entries", "watch_entries")
-        t.wrap(w, "_execute", "execute")
-
-    def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="bench-loop", daemon=True)
-        self.thread.start()
-        if not self._ready.wait(30):
-            raise TimeoutError("worker did not register within 30 s")
-
-    def _gate(self) -> None:
-        self._ready.set()
-        self.go.wait()
-
-    def _run(self) -> None:
-        if not self.profile:
-            self.worker.run(on_ready=self._gate)
-            return
-        from pyinstrument import Profiler
-
-        profiler = Profiler(interval=0.0005, async_mode="disabled")
-
-        def gate() -> None:
-            self._gate()
-            profiler.start()
-
-        try:
-            self.worker.run(on_ready=gate)
-        finally:
-            if profiler.is_running:
-                profiler.stop()
-                self._profile_text = profiler.output_text(show_all=False)
-
-    def stop(self) -> None:
-        self.go.set()
-        self.worker.stop(drain=True)
-        if self.thread is not None:
-            self.thread.join(_JOIN_TIMEOUT)
-
-    def stats(self) -> dict[str, Any]:
-        return {"worker": asdict(self.worker.stats), "timers": self.timers.summary()}
-
-    def final(self) -> dict[str, Any]:
-        return {"profile": self._profile_text}
-
-
-class LockingQueueService(Service):
-    """A kazoo LockingQueue consumer: get, echo, consume, until stopped."""
-
-    def __init__(self, zk: KazooClient, path: str) -> None:
-        super().__init__()
-        self.queue = LockingQueue(zk, path)
-        self.consumed = 0
-        self._stopping = threading.Event()
-
-    def start(self) -> None:
-        self.queue._ensure_paths()
-        self.thread = threading.Thread(target=self._run, name="bench-consumer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        self.go.wait()
-        while not self._stopping.is_set():
-            item = self.queue.get(timeout=0.5)
-            if item is None:
-                continue
-            json.loads(item)  # the echo "work": decode the job
-            if self.queue.consume():
-                self.consumed += 1
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self.go.set()
-        if self.thread is not None:
-            self.thread.join(_JOIN_TIMEOUT)
-
-    def stats(self) -> dict[str, Any]:
-        return {"consumed": self.consumed}
-
-
-class RedisService(Service):
-    """A reliable-queue worker on Redis (see bench_redis.RedisQueue)."""
-
-    def __init__(self, zk: KazooClient, port: int, prefix: str) -> None:
-        super().__init__()
-        self.queue = bench_redis.RedisQueue(port, prefix, worker=f"w{_pid()}")
-        self.done = 0
-        self.calls = 0
-        self._stopping = threading.Event()
-
-    def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="bench-consumer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        self.go.wait()
-        while not self._stopping.is_set():
-            job = self.queue.take(block=0.5)
-            if job is None:
-                continue
-            spec = json.loads(job)
-            self.queue.complete(job, spec["id"], spec["prompt"])
-            self.done += 1
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self.go.set()
-        if self.thread is not None:
-            self.thread.join(_JOIN_TIMEOUT)
-        self.queue.close()
-
-    def stats(self) -> dict[str, Any]:
-        return {"consumed": self.done, "redis_calls": dict(self.queue.calls)}
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -416,10 +232,6 @@ def _job_bytes(i: int) -> bytes:
     return json.dumps({"prompt": _prompt(i)}).encode()
 
 
-def _pid() -> int:
-    return os.getpid()
-
-
 def _timed_producer(put: Callable[[int], Any], n: int, profile: bool) -> dict[str, Any]:
     """Call put(i) for i < n one at a time; return the elapsed time and this process's counts."""
     profiler = None
@@ -428,15 +240,15 @@ def _timed_producer(put: Callable[[int], Any], n: int, profile: bool) -> dict[st
 
         profiler = Profiler(interval=0.0005, async_mode="disabled")
         profiler.start()
-    before, cpu0 = bench_wire.snapshot(), bench_wire.thread_cpu()["total"]
+    before, cpu0 = wire.snapshot(), wire.thread_cpu()["total"]
     start = time.perf_counter()
     for i in range(n):
         put(i)
     elapsed = time.perf_counter() - start
     out = {
         "elapsed": elapsed,
-        "wire": bench_wire.delta(bench_wire.snapshot(), before),
-        "cpu": bench_wire.thread_cpu()["total"] - cpu0,
+        "wire": wire.delta(wire.snapshot(), before),
+        "cpu": wire.thread_cpu()["total"] - cpu0,
     }
     if profiler is not None:
         profiler.stop()

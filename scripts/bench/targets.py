@@ -1,0 +1,208 @@
+"""From results.json to the targets: repetitions grouped into medians, then each target the
+benchmarks set (dispatch against LockingQueue, writes per job, latency, herd, depth, bulk,
+batching) as met or missed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from scripts.bench.core import median
+
+Row = dict[str, Any]
+_KEY = ("system", "procs", "slots", "mode")
+
+
+# -- aggregation ----------------------------------------------------------------------------
+
+
+def grouped(rows: Iterable[Row]) -> list[Row]:
+    """One row per (system, procs, slots, mode): medians over repetitions, plus min/max rate."""
+    groups: dict[tuple[Any, ...], list[Row]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in _KEY), []).append(row)
+    out = []
+    for key, reps in groups.items():
+        rates = [r["rate"] for r in reps]
+        per_job = {
+            name: median(r["per_job"][name] for r in reps)
+            for name, value in reps[0]["per_job"].items()
+            if isinstance(value, int | float)
+        }
+        out.append(
+            {
+                **dict(zip(_KEY, key, strict=True)),
+                "reps": len(reps),
+                "rate": median(rates),
+                "rate_min": min(rates),
+                "rate_max": max(rates),
+                "complete": all(r["completed"] for r in reps),
+                "per_job": per_job,
+                "requests": _median_dicts([r["per_job"]["worker_requests"] for r in reps]),
+                "producer_requests": _median_dicts(
+                    [r["per_job"]["producer_requests"] for r in reps]
+                ),
+                "multi_ops": _median_dicts([r["per_job"]["multi_ops"] for r in reps]),
+                "turn_ms": median(_timer(r, "head_turn", "mean_ms") for r in reps),
+                "jobs_per_turn": median(_timer(r, "jobs_per_turn", "mean_ms") / 1e3 for r in reps),
+            }
+        )
+    return out
+
+
+def _timer(row: Row, name: str, field: str) -> float:
+    value = row.get("timers", {}).get(name, {}).get(field)
+    return float(value) if value is not None else float("nan")
+
+
+def _median_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in dicts for k in d}
+    return {k: median(d.get(k, 0.0) for d in dicts) for k in sorted(keys)}
+
+
+def find(rows: list[Row], **match: Any) -> Row | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+# -- targets --------------------------------------------------------------------------------
+
+
+def targets(results: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for check in (_t_dispatch, _t_writes, _t_latency, _t_herd, _t_depth, _t_bulk, _t_batching):
+        out.extend(check(results))
+    return out
+
+
+def _target(name: str, goal: str, value: str, met: bool) -> Row:
+    return {"name": name, "goal": goal, "value": value, "met": bool(met)}
+
+
+def _t_dispatch(results: dict[str, Any]) -> list[Row]:
+    if "dispatch" not in results:
+        return []
+    rows = grouped(results["dispatch"]["rows"])
+    out = []
+    for procs in (4, 16):
+        for mode in ("prefill", "stream"):
+            lq = find(rows, system="LockingQueue", procs=procs, mode=mode)
+            for slots in sorted({r["slots"] for r in rows if r["system"] == "zkq"}):
+                zkq = find(rows, system="zkq", procs=procs, slots=slots, mode=mode)
+                if not lq or not zkq:
+                    continue
+                ratio = zkq["rate"] / lq["rate"]
+                out.append(
+                    _target(
+                        f"dispatch {procs} procs x {slots} slot(s), {mode}",
+                        "zkq >= 3x LockingQueue",
+                        f"{ratio:.1f}x ({zkq['rate']:.0f} vs {lq['rate']:.0f} jobs/s)",
+                        ratio >= 3,
+                    )
+                )
+    return out
+
+
+def _t_writes(results: dict[str, Any]) -> list[Row]:
+    if "dispatch" not in results:
+        return []
+    rows = [r for r in grouped(results["dispatch"]["rows"]) if r["system"] == "zkq"]
+    if not rows:
+        return []
+    worst = max(rows, key=lambda r: r["per_job"]["writes"])
+    return [
+        _target(
+            "ZooKeeper writes per job",
+            "<= 4 write round trips",
+            f"at most {worst['per_job']['writes']:.2f} ({worst['procs']} procs x "
+            f"{worst['slots']} slots, {worst['mode']})",
+            worst["per_job"]["writes"] <= 4,
+        )
+    ]
+
+
+def _t_latency(results: dict[str, Any]) -> list[Row]:
+    lat = results.get("latency")
+    if not lat:
+        return []
+    return [
+        _target(
+            "idle latency p50",
+            "<= 5x sync create p50",
+            f"{lat['ratio_p50']:.1f}x ({lat['job_p50_ms']:.2f} vs {lat['create_p50_ms']:.2f} ms)",
+            lat["ratio_p50"] <= 5,
+        )
+    ]
+
+
+def _t_herd(results: dict[str, Any]) -> list[Row]:
+    herd = results.get("herd")
+    if not herd:
+        return []
+    rows = [r for r in herd["rows"] if r["system"] == "zkq"]
+    worst = max(rows, key=lambda r: r["notifications_per_job"])
+    woken = max(r["max_sessions_woken"] for r in rows)
+    return [
+        _target(
+            "herd: notifications per new job",
+            "<= 2 at 1, 8, 32 idle workers",
+            ", ".join(f"{r['workers']}: {r['notifications_per_job']:.2f}" for r in rows)
+            + f" (sessions woken at most {woken})",
+            worst["notifications_per_job"] <= 2,
+        )
+    ]
+
+
+def _t_depth(results: dict[str, Any]) -> list[Row]:
+    depth = results.get("depth")
+    if not depth or len(depth["rows"]) < 2:
+        return []
+    low, high = depth["rows"][0], depth["rows"][-1]
+    out = []
+    for field, label in (("enqueue_p50_ms", "enqueue p50"), ("claim_turn_ms", "claim turn")):
+        ratio = high[field] / low[field]
+        out.append(
+            _target(
+                f"depth: {label}",
+                f"at {high['depth']} within 2x of {low['depth']}",
+                f"{ratio:.1f}x ({high[field]:.2f} vs {low[field]:.2f} ms)",
+                ratio <= 2,
+            )
+        )
+    return out
+
+
+def _t_bulk(results: dict[str, Any]) -> list[Row]:
+    bulk = results.get("bulk")
+    if not bulk:
+        return []
+    return [
+        _target(
+            "producer bulk",
+            ">= 70% of raw async create rate",
+            f"{bulk['ratio'] * 100:.0f}% ({bulk['submit_many_median']:.0f} vs "
+            f"{bulk['raw_median']:.0f}/s)",
+            bulk["ratio"] >= 0.7,
+        )
+    ]
+
+
+def _t_batching(results: dict[str, Any]) -> list[Row]:
+    b = results.get("batching")
+    if not b:
+        return []
+    return [
+        _target(
+            "batching speedup",
+            ">= 3x (8 slots vs 1)",
+            f"{b['speedup']:.1f}x",
+            b["speedup"] >= 3,
+        ),
+        _target(
+            "queue overhead on batches",
+            "8-slot worker within 15% of direct generate",
+            f"{b['overhead_vs_generate'] * 100:+.0f}% (vs the runner alone "
+            f"{b['overhead_vs_runner'] * 100:+.0f}%; the queue's own time, wall minus "
+            f"runner, {b['queue_own_vs_generate'] * 100:.0f}% of direct generate)",
+            b["overhead_vs_generate"] <= 0.15,
+        ),
+    ]
