@@ -103,17 +103,17 @@ def test_connection_lost_while_completing_leaves_the_worker_running(
     process exited with "lost ZooKeeper". It must wait for the connection and retry."""
     handle = start_worker(EchoRunner(delay=0.1))
     zk = handle.worker.zk
-    real_complete = handle.worker.claims.complete
+    real_complete = handle.worker.claims.complete_many
     dropped: list[bool] = []
 
-    def flaky_complete(*args: object) -> bool:
+    def flaky_complete(*args: Any) -> list[bool]:
         if not dropped:
             dropped.append(True)
             zk._call(_CONNECTION_DROP, None)  # the connection drops...
             raise ConnectionLoss()  # ...with this completion in flight
         return real_complete(*args)
 
-    handle.worker.claims.complete = flaky_complete
+    handle.worker.claims.complete_many = flaky_complete  # type: ignore[method-assign]
     record = client.submit("survive the drop", detach=True).result(timeout=20)
     assert dropped and (record.status, record.attempts) == ("succeeded", 1)
     assert handle.thread.is_alive() and handle.error is None
@@ -186,7 +186,7 @@ def test_connection_lost_while_watching_a_claimed_job_still_runs_it(
     was handed to the runner: it stayed 'running' forever and its slot was never freed."""
     handle = start_worker(EchoRunner(delay=0.05))
     worker = handle.worker
-    real_watch = worker._watch_entries
+    real_watch = worker.bridge.watch
     failed: list[bool] = []
 
     def watch_fails_once(held: Any) -> None:
@@ -196,11 +196,11 @@ def test_connection_lost_while_watching_a_claimed_job_still_runs_it(
             raise ConnectionLoss()
         real_watch(held)
 
-    worker._watch_entries = watch_fails_once  # type: ignore[method-assign]
+    worker.bridge.watch = watch_fails_once  # type: ignore[method-assign]
     record = client.submit("run me anyway", detach=True).result(timeout=15)
     assert failed and (record.status, record.attempts) == ("succeeded", 1)
     assert client.submit("and the next", detach=True).result(timeout=10).ok
-    wait_for(lambda: all(h.watched for h in worker._held.values()), message="watches set")
+    wait_for(lambda: all(j.watched for j in worker.held.values()), message="watches set")
 
 
 def test_janitor_join_whose_reply_was_lost_does_not_block_the_election(

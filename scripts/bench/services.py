@@ -15,6 +15,7 @@ from kazoo.recipe.queue import LockingQueue
 
 from scripts.bench import wire
 from workers.loop import Worker
+from workers.options import WorkerOptions
 from workers.runners.base import Runner
 
 _JOIN_TIMEOUT = 20.0
@@ -53,7 +54,8 @@ class ZkqService(Service):
         profile: bool,
     ) -> None:
         super().__init__()
-        self.worker = Worker(zk, runner, queue=queue, root=root, slots=slots)
+        opts = WorkerOptions(queue=queue, root=root, max_concurrency=slots)
+        self.worker = Worker(zk, runner, opts)
         self.timers = wire.Timers()
         self.profile = profile
         self._profile_text: str | None = None
@@ -81,12 +83,12 @@ class ZkqService(Service):
 
         w._dispatch = timed_dispatch  # type: ignore[method-assign]
         t.wrap(w.view, "refresh", "view_refresh")
-        t.wrap(w, "_pick", "pick")
+        t.wrap(w.head, "_pick", "pick")
         t.wrap(w.claims, "claim", "claim_multi")
-        t.wrap(w.claims, "complete", "complete_multi")
+        t.wrap(w.claims, "complete_many", "complete_multi")
         t.wrap(w.line, "_ask_head", "ask_head")
-        t.wrap(w, "_watch_entries", "watch_entries")
-        t.wrap(w, "_execute", "execute")
+        t.wrap(w.bridge, "watch", "watch_entries")
+        t.wrap(w.bridge, "hand_in", "hand_in")
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="bench-loop", daemon=True)

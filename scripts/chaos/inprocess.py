@@ -9,17 +9,18 @@ from typing import Any
 
 from scripts.chaos.stage import Stage, need
 from workers.loop import Worker
-from workers.runners.base import Outcome, RunningJob
+from workers.options import WorkerOptions
+from workers.runners.base import Outcome, RunningJob, ThreadedRunner
 from workers.runners.echo import EchoRunner
-from zkqueue import result as results
 from zkqueue.connection import ConnectionSettings, close, connect
 from zkqueue.janitor import JanitorService
+from zkqueue.result import Status
 
 #: Longest a hung runner stays stuck if nobody releases it (keeps every thread bounded).
 _HANG_LIMIT = 300.0
 
 
-class HungRunner:
+class HungRunner(ThreadedRunner):
     """A runner wedged like a stuck CUDA kernel: it reports no progress and ignores
     cancellation until ``release`` is set, then echoes its jobs (too late: their claims are
     gone)."""
@@ -27,21 +28,20 @@ class HungRunner:
     name = "hung"
 
     def __init__(self) -> None:
+        super().__init__()
         self.release = threading.Event()
         self.started = threading.Event()
         self.seen: list[str] = []
 
-    def describe(self) -> dict[str, Any]:
-        return {"runner": "hung"}
-
-    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-        self.seen.extend(j.id for j in jobs)
+    def run_one(self, job: RunningJob) -> Outcome:
+        self.seen.append(job.id)
         self.started.set()
         self.release.wait(_HANG_LIMIT)
-        return [Outcome(results.SUCCEEDED, output=j.spec.prompt) for j in jobs]
+        return Outcome(Status.SUCCEEDED, output=job.spec.prompt)
 
     def close(self) -> None:
         self.release.set()
+        super().close()
 
 
 class InProcessWorker:
@@ -52,9 +52,8 @@ class InProcessWorker:
     ) -> None:
         settings = ConnectionSettings(hosts=stage.hosts, session_timeout=stage.session_timeout)
         self.zk = connect(settings)
-        self.worker = Worker(
-            self.zk, runner, root=stage.root, name=name, heartbeat_interval=0.5, **kwargs
-        )
+        opts = WorkerOptions(root=stage.root, name=name, heartbeat_interval=0.5, **kwargs)
+        self.worker = Worker(self.zk, runner, opts)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"chaos-{name}", daemon=True)
 
