@@ -205,11 +205,14 @@ class Job:
         entry_path = self.entry_path
         # Read the entry before the result: complete() deletes the one and creates the other
         # in a single transaction, so "no entry, then no result" means nothing will come. The
-        # three reads are pipelined (one round trip): a session's requests run in order.
-        entry_call = zk.exists_async(entry_path, watch=watch) if entry_path else None
+        # three reads are pipelined (one round trip): a session's requests run in order. The
+        # entry is watched with a get, which sets no watch when the entry is already gone (an
+        # exists watch on a missing node would outlive the job: a long-lived client leaks one
+        # per job).
+        entry_call = zk.get_async(entry_path, watch=watch) if entry_path else None
         result_watch = zk.exists_async(self.result_path, watch=watch)
         result_call = zk.get_async(self.result_path)
-        entry_alive = entry_call is None or entry_call.get() is not None
+        entry_alive = entry_call is None or _exists(entry_call)
         result_watch.get()
         try:
             data, _ = result_call.get()
@@ -269,6 +272,14 @@ class Job:
             "attempts": record.attempts,
             "worker": record.worker,
         }
+
+
+def _exists(call: Any) -> bool:
+    try:
+        call.get()
+    except NoNodeError:
+        return False
+    return True
 
 
 def _setter(event: threading.Event) -> Any:

@@ -1,0 +1,42 @@
+"""A long-lived producer holds only the watches of jobs still in flight: every watch a finished
+job set has fired or was never set (ZooKeeper's own count, ``wchc``, per session)."""
+
+from __future__ import annotations
+
+from zkqueue import Client
+from zkqueue.testing import ZkCluster, four_letter
+
+
+def watches_of(cluster: ZkCluster, session: int) -> int:
+    """Watches the server holds for one session (``wchc`` lists paths under each session)."""
+    text = four_letter(cluster.servers[0].client_port, "wchc")
+    held, current = 0, None
+    for line in text.splitlines():
+        if line.startswith("0x"):
+            current = int(line, 16)
+        elif line.strip() and current == session:
+            held += 1
+    return held
+
+
+def test_attached_jobs_in_sequence_leave_no_watches_behind(
+    zk_cluster: ZkCluster, client: Client, start_worker
+) -> None:
+    start_worker()
+    for i in range(60):
+        assert client.submit(f"job {i}").result(timeout=10).ok
+    client.zk.sync("/")
+    assert watches_of(zk_cluster, client.zk.client_id[0]) <= 2
+
+
+def test_detached_results_read_once_leave_at_most_their_own_watch(
+    zk_cluster: ZkCluster, client: Client, start_worker
+) -> None:
+    start_worker()
+    jobs = client.submit_many([f"job {i}" for i in range(20)])
+    for job in jobs:
+        assert job.result(timeout=10).ok
+    client.zk.sync("/")
+    # A detached result is kept (retention): the watch that saw it appear has fired, and the
+    # data watch of the final read is on a node that exists; none waits on a missing node.
+    assert watches_of(zk_cluster, client.zk.client_id[0]) <= len(jobs)
