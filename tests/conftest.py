@@ -147,7 +147,7 @@ def start_worker(
         zk = new_zk(kwargs.pop("session_timeout", 4.0))
         if "slots" in kwargs:
             kwargs["max_concurrency"] = kwargs.pop("slots")
-        parts = {k: kwargs.pop(k) for k in ("admission", "metrics") if k in kwargs}
+        parts = {k: kwargs.pop(k) for k in ("admission", "metrics", "on_heartbeat") if k in kwargs}
         opts = WorkerOptions(root=root, **kwargs)
         handle = WorkerThread(Worker(zk, runner or EchoRunner(), opts, **parts)).start()
         started.append(handle)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.conftest import flush_watches, wait_for
 from zkqueue import Client
+from zkqueue.testing import four_letter
 
 
 def _line_size(client: Client) -> int:
@@ -39,3 +42,31 @@ def test_idle_line_holds_every_worker_once(client: Client, start_worker) -> None
         for n in client.zk.get_children(client.layout.line("default"))
     ]
     assert sorted(owners) == sorted(h.worker.id for h in handles)
+
+
+def test_an_idle_fleet_writes_nothing(zk_cluster, client: Client, start_worker) -> None:
+    """Idle workers' registrations exist (their sessions are alive) and are rewritten only when
+    they change: after three heartbeats of every idle worker, ZooKeeper's zxid (bumped by every
+    write) has not moved."""
+    beats: dict[str, int] = {}
+
+    def count(worker: Any) -> None:
+        beats[worker.id] = beats.get(worker.id, 0) + 1
+
+    handles = [start_worker(slots=2, heartbeat_interval=0.2, on_heartbeat=count) for _ in range(5)]
+    wait_for(lambda: len(client.workers()) == 5, message="five registrations")
+    wait_for(lambda: all(beats.get(h.worker.id, 0) >= 2 for h in handles), message="beats")
+    before = zxid(zk_cluster)
+    start = dict(beats)
+    wait_for(
+        lambda: all(beats[h.worker.id] >= start[h.worker.id] + 3 for h in handles),
+        message="three more heartbeats each",
+    )
+    assert zxid(zk_cluster) == before
+
+
+def zxid(cluster: Any) -> int:
+    for line in four_letter(cluster.servers[0].client_port, "srvr").splitlines():
+        if line.startswith("Zxid:"):
+            return int(line.split(":", 1)[1].strip(), 16)
+    raise AssertionError("srvr gave no zxid")

@@ -6,7 +6,9 @@
 - Leases: a running job's claim is rewritten (renewed) every third of the lease while the runner
   makes progress; a runner that makes none (hung) lets them lapse and the janitor hands its jobs
   to other workers. A renewal that finds its claim gone stops that job.
-- The registration is rewritten every heartbeat with the worker's state, slots and cache.
+- The registration says the worker is alive by existing (it is ephemeral: it goes with the
+  session). Every heartbeat the worker recomputes it (state, slots, running jobs, counts, cache)
+  and rewrites it only when something changed, so an idle fleet writes nothing.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class Liveness:
         if self.admission.pages_total is not None:
             self.metrics.cache(self.admission.pages_total, self.admission.promised)
         try:
-            self.registry.update()
+            self.registry.update_if_changed()
         except TRANSIENT:
             self.suspended = True
         return True

@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -53,6 +53,8 @@ class Registry:
         self.zk = zk
         self.layout = layout
         self.record = record
+        #: The record as last written, ``updated_at`` aside.
+        self._written = b""
 
     @property
     def path(self) -> str:
@@ -64,6 +66,7 @@ class Registry:
         deadline = time.monotonic() + wait
         while True:
             self.record.updated_at = time.time()
+            self._written = self._content()
             try:
                 self.zk.create(self.path, self.record.to_bytes(), ephemeral=True, makepath=True)
                 return
@@ -80,10 +83,22 @@ class Registry:
 
     def update(self) -> None:
         self.record.updated_at = time.time()
+        self._written = self._content()
         try:
             self.zk.set(self.path, self.record.to_bytes())
         except NoNodeError:
             self.register()
+
+    def update_if_changed(self) -> bool:
+        """Rewrite the record only if it changed since the last write (``updated_at`` aside):
+        the node's existence already says the worker is alive. Returns whether it wrote."""
+        if self._content() == self._written:
+            return False
+        self.update()
+        return True
+
+    def _content(self) -> bytes:
+        return replace(self.record, updated_at=0.0).to_bytes()
 
     def unregister(self) -> None:
         with contextlib.suppress(NoNodeError):

@@ -148,7 +148,7 @@ def _workers_table(snap: TopSnapshot, now: float) -> Table:
     for name in ("worker", "queue", "model", "device", "state", "slots", "kv cache"):
         table.add_column(name)
     table.add_column("running")
-    table.add_column("heartbeat", justify="right")
+    table.add_column("changed", justify="right")
     workers = sorted(snap.cluster.workers, key=lambda w: (str(w.get("queue")), str(w.get("id"))))
     for w in workers[:MAX_WORKER_ROWS]:
         info = w.get("runner_info") or {}
@@ -162,7 +162,7 @@ def _workers_table(snap: TopSnapshot, now: float) -> Table:
             f"{w.get('slots_busy', 0)}/{w.get('slots_max', 0)}",
             memory_bar(w.get("memory")),
             _job_ids(w.get("running") or []),
-            Text(f"{format_age(beat)} ago", style="red" if beat > 10 else ""),
+            f"{format_age(beat)} ago",
         )
     if len(workers) > MAX_WORKER_ROWS:
         table.caption = f"{len(workers) - MAX_WORKER_ROWS} more worker(s) not shown"
