@@ -120,3 +120,36 @@ def test_a_lost_enqueue_names_the_job_to_look_up(client: Client, monkeypatch) ->
 
 def _always_lose(*_args: Any) -> str | None:
     raise ConnectionLoss("still away")
+
+
+class _LostReply:
+    """An async result whose reply was lost with the connection."""
+
+    def get(self) -> Any:
+        raise ConnectionLoss("answer lost")
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_submit_many_whose_multi_reply_was_lost_enqueues_each_job_once(
+    client: Client, monkeypatch, committed: bool
+) -> None:
+    """submit_many sends its creates in multis of up to 100. When a multi's reply is lost it
+    committed as a whole or not at all: each id is looked up before it is created again."""
+    from zkqueue import claims
+
+    real = claims.enqueue_async
+    sent: list[int] = []
+
+    def lose_first(zk: Any, entries: list[Any], ephemeral: bool) -> Any:
+        sent.append(len(entries))
+        if len(sent) == 1:
+            if committed:
+                real(zk, entries, ephemeral).get()
+            return _LostReply()
+        return real(zk, entries, ephemeral)
+
+    monkeypatch.setattr(claims, "enqueue_async", lose_first)
+    jobs = client.submit_many([f"job {i}" for i in range(250)])
+    assert sent == [100, 100, 50]
+    entries = _all_entries(client)
+    assert sorted(entries) == sorted(j.entry for j in jobs) and len(set(entries)) == 250

@@ -275,6 +275,15 @@ class Claims:
 # -- transitions made by clients other than the claiming worker ------------------------------
 
 
+def enqueue_async(zk: KazooClient, entries: list[tuple[str, bytes]], ephemeral: bool) -> Any:
+    """Create several entries (sequential-create prefix, spec bytes) in one multi, without
+    waiting: the returned async result gives one created path, or an exception, per entry."""
+    txn = zk.transaction()
+    for prefix, data in entries:
+        txn.create(prefix, data, ephemeral=ephemeral, sequence=True)
+    return txn.commit_async()
+
+
 def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str) -> bool:
     """Cancel a pending or running entry: record a ``cancelled`` result and delete the entry in
     one multi (a running worker sees the delete and stops). False if it had already ended."""

@@ -8,17 +8,19 @@ before creating again: a retry never enqueues a job twice.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, SessionExpiredError
+from kazoo.exceptions import ConnectionLoss, RolledBackError, SessionExpiredError
 
+from zkqueue import claims
 from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ZkqConnectionError
 from zkqueue.layout import Layout
 
-#: Creates in flight at once in create_many.
-_PIPELINE_WINDOW = 512
+#: Creates per multi in create_many, and multis in flight at once.
+_MULTI_CREATES = 100
+_MULTIS_IN_FLIGHT = 8
 #: Seconds between checks while waiting for kazoo to reconnect.
 _RECONNECT_POLL = 0.05
 
@@ -58,24 +60,50 @@ class Enqueuer:
     def find(self, queue: str, priority: str, job_id: str) -> str | None:
         return self.client.find_entry(queue, priority, job_id)
 
-    def create_many(self, prepared: list[Prepared], ephemeral: bool) -> list[str]:
-        """Create every entry with pipelined creates; returns their names in order."""
+    def create_many(self, prepared: list[Prepared], ephemeral: bool) -> list[str | None]:
+        """Create every entry, ``_MULTI_CREATES`` to a multi, several multis in flight; returns
+        the names in order (None for a job that finished before a lost reply was recovered).
+        A multi whose reply is lost may have committed: its ids are looked up before anything
+        is created again."""
         zk = self._zk()
-        names: list[str] = []
-        for start in range(0, len(prepared), _PIPELINE_WINDOW):
-            window = prepared[start : start + _PIPELINE_WINDOW]
+        names: list[str | None] = []
+        chunks = [prepared[i : i + _MULTI_CREATES] for i in range(0, len(prepared), _MULTI_CREATES)]
+        for start in range(0, len(chunks), _MULTIS_IN_FLIGHT):
+            window = chunks[start : start + _MULTIS_IN_FLIGHT]
             calls = [
-                zk.create_async(
-                    self.layout.entry_prefix(q, p, jid), data, ephemeral=ephemeral, sequence=True
+                claims.enqueue_async(
+                    zk,
+                    [(self.layout.entry_prefix(q, p, jid), data) for jid, q, p, data in chunk],
+                    ephemeral,
                 )
-                for jid, q, p, data in window
+                for chunk in window
             ]
-            for (jid, q, p, data), call in zip(window, calls, strict=True):
-                try:
-                    names.append(call.get().rsplit("/", 1)[1])
-                except ConnectionLoss:
-                    names.append(self.create(q, p, jid, data, ephemeral=ephemeral))
+            for chunk, call in zip(window, calls, strict=True):
+                names.extend(self._created(chunk, call, ephemeral))
         return names
+
+    def _created(self, chunk: list[Prepared], call: Any, ephemeral: bool) -> list[str | None]:
+        try:
+            outcome = call.get()
+        except (ConnectionLoss, SessionExpiredError):
+            return self._recover(chunk, ephemeral)
+        errors = [r for r in outcome if isinstance(r, Exception)]
+        if errors:  # nothing was created; the first error that is not a rollback says why
+            raise next((e for e in errors if not isinstance(e, RolledBackError)), errors[0])
+        return [str(path).rsplit("/", 1)[1] for path in outcome]
+
+    def _recover(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
+        """A multi whose reply was lost committed as a whole or not at all: look its ids up
+        once the connection is back (an entry, or a result if a worker already finished it)
+        and create them again only if none is there. None: finished before it was found."""
+        deadline = time.monotonic() + self.settings.connect_timeout
+        jid, queue, priority, _ = chunk[0]
+        first = self._find_after_loss(queue, priority, jid, deadline)
+        names = [first, *(self.find(q, p, j) for j, q, p, _ in chunk[1:])]
+        zk = self._zk()
+        if any(names) or any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
+            return names
+        return [self.create(q, p, j, data, ephemeral) for j, q, p, data in chunk]
 
     def create(self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool) -> str:
         """Create the entry exactly once: after a ConnectionLoss the create may have happened,
