@@ -144,9 +144,7 @@ def test_workers_and_queue_limit(hosts: str, root: str, client: Client, start_wo
     assert [r["queue"] for r in records] == ["llama"]
 
 
-def test_waiting_on_many_jobs_holds_no_thread_per_job(
-    hosts: str, root: str, start_worker
-) -> None:
+def test_waiting_on_many_jobs_holds_no_thread_per_job(hosts: str, root: str, start_worker) -> None:
     async def body(aio: AsyncClient) -> tuple[int, int, list[str]]:
         base = threading.active_count()  # kazoo's threads, the pool thread that connected
         jobs = [await aio.submit(f"job {i}") for i in range(200)]

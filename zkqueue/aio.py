@@ -139,6 +139,10 @@ class AsyncClient:
         return self._bridge
 
     @property
+    def started(self) -> bool:
+        return self._zk is not None
+
+    @property
     def connected(self) -> bool:
         """Whether the session is connected now (kazoo reconnects by itself after a loss)."""
         return self._zk is not None and bool(self._zk.connected)

@@ -153,9 +153,8 @@ class AsyncJob:
         zk, client, watch = self.client.zk, self.client, self._watch
         # Entry before result: complete() deletes the one and creates the other in a single
         # transaction, so "no entry, then no result" means nothing will come.
-        calls = [zk.exists_async(self.result_path, watch=watch), zk.get_async(self.result_path)]
-        if self.entry_path is not None:
-            calls.insert(0, zk.exists_async(self.entry_path, watch=watch))
+        calls = [] if self.entry_path is None else [zk.exists_async(self.entry_path, watch=watch)]
+        calls += [zk.exists_async(self.result_path, watch=watch), zk.get_async(self.result_path)]
         claim = self.claim_path if with_claim else None
         if claim is not None:
             calls += [zk.exists_async(claim, watch=watch), zk.get_async(claim)]
