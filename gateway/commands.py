@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -91,10 +91,21 @@ def serve(
     try:
         config = load(config_path)
         client = AsyncClient(**_settings(ctx, connection))
-        asyncio.run(run(client, config, host=host, port=port, drain_timeout=drain_timeout))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(run(client, config, host=host, port=port, drain_timeout=drain_timeout))
     except ZkqError as exc:
         click.echo(f"zkq: {exc}", err=True)
         sys.exit(exc.exit_code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (the serve extra has it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def _settings(ctx: click.Context, given: dict[str, Any]) -> dict[str, Any]:
