@@ -367,7 +367,12 @@ def create_app(client: AsyncClient, config: GatewayConfig, metrics: bool = True)
         Route("/health", endpoint("health"), methods=["GET"]),
         Route("/metrics", endpoint("prometheus"), methods=["GET"]),
     ]
-    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected}
+    handlers = {
+        ApiError: _api_error,
+        ZkqError: _zkq_error,
+        HTTPException: _http_error,
+        Exception: _unexpected,
+    }
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
@@ -381,6 +386,15 @@ def _answer(error: ApiError, request: Request) -> Response:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return _answer(exc, request)
+
+
+async def _zkq_error(request: Request, exc: Exception) -> Response:
+    """A library error no endpoint turned into an answer (ZooKeeper away while reading the
+    registry...): the same mapping as everywhere, gateway.errors.from_zkq."""
+    assert isinstance(exc, ZkqError)
+    gateway = getattr(request.app.state, "gateway", None)
+    retry_after = gateway.config.retry_after if gateway is not None else 1
+    return _answer(from_zkq(exc, retry_after), request)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -404,3 +404,31 @@ def test_tiny_model_worker_answers_in_openai_shape(
     stream = api.completions.create(model="default", prompt="Hello", max_tokens=5, stream=True)
     assert [c.object for c in stream][-1] == "text_completion"
     assert json.loads(json.dumps(answer.model_dump()))["id"].startswith("chatcmpl-")
+
+
+def test_zkq_errors_map_to_one_status_each() -> None:
+    from gateway.errors import from_zkq
+    from zkqueue.errors import (
+        AccessDenied,
+        InvalidJob,
+        JobTimeout,
+        JobWithdrawn,
+        QueueFull,
+        ZkqConnectionError,
+        ZkqError,
+    )
+
+    cases = {
+        InvalidJob: 400,
+        QueueFull: 429,
+        ZkqConnectionError: 503,
+        AccessDenied: 503,
+        JobWithdrawn: 503,
+        JobTimeout: 504,
+        ZkqError: 500,
+    }
+    for error, status in cases.items():
+        answer = from_zkq(error("why"), retry_after=3)
+        assert answer.status == status, error
+        assert set(answer.body()["error"]) == {"message", "type", "param", "code"}
+    assert from_zkq(QueueFull("full"), retry_after=3).headers == {"Retry-After": "3"}
