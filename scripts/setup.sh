@@ -3,7 +3,7 @@
 #   - Debian's zookeeper package (and a JRE) for the local servers the demo and tests start;
 #   - a virtualenv in .venv with torch installed first (a pinned CPU build unless ZKQ_TORCH says
 #     otherwise: a bare torch requirement would pull a multi-GB CUDA build), then zkq with its
-#     worker and test extras.
+#     worker, serve and test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +29,6 @@ fi
 stamp=".venv/.zkq-setup-$(cat setup.cfg pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "setup: installing zkq and its extras" >&2
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[cli,worker,test]'
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[cli,worker,serve,test]'
   rm -f .venv/.zkq-setup-* && touch "$stamp"
 fi

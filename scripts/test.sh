@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-.venv/bin/ruff check zkqueue workers tests scripts
-.venv/bin/ruff format --check zkqueue workers tests scripts
+.venv/bin/ruff check zkqueue workers gateway tests scripts
+.venv/bin/ruff format --check zkqueue workers gateway tests scripts
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

@@ -27,6 +27,8 @@ from zkqueue.layout import Layout
 from zkqueue.testing import ZkCluster
 
 ZKQ = [sys.executable, "-m", "zkqueue.cli"]
+#: The gateway tests' fixtures (gateway, served) live in their own module.
+pytest_plugins = ["tests.gateway_fixtures"]
 
 
 def wait_for(

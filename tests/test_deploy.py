@@ -87,3 +87,17 @@ def test_gpu_check_logic_on_a_small_cpu_configuration() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "6/6 jobs succeeded, out-of-memory batches: 0" in out.stdout
+
+
+def test_gateway_unit_and_example_config() -> None:
+    from gateway.config import load
+
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.read(ROOT / "deploy" / "zkq-serve.service")
+    service = unit["Service"]
+    assert " serve --config /etc/zkq/serve.toml" in service["ExecStart"]
+    assert service["KillSignal"] == "SIGTERM" and service["Restart"] == "on-failure"
+    config = load(ROOT / "deploy" / "serve.toml")
+    assert config.queue_for("llama-3-8b-instruct") == "llama"
+    assert [k.priority for k in config.keys] == ["high", "low"]
+    assert config.keys[1].max_pending == 500 and not config.keys[1].allows("high")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zkqueue.aio import AsyncClient, AsyncJob
 from zkqueue.client import Client
 from zkqueue.errors import (
     ConfigurationError,
@@ -21,6 +22,8 @@ from zkqueue.spec import JobSpec
 
 __version__ = "0.1.0"
 __all__ = [
+    "AsyncClient",
+    "AsyncJob",
     "Client",
     "ConfigurationError",
     "InvalidJob",

@@ -292,6 +292,13 @@ def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str
         _, stat = zk.get(path)
     except NoNodeError:
         return False
+    return not transaction_failed(cancel_async(zk, layout, queue, priority, name, stat).get())
+
+
+def cancel_async(
+    zk: KazooClient, layout: Layout, queue: str, priority: str, name: str, stat: ZnodeStat
+) -> Any:
+    """The cancel multi for an entry read with ``stat``, without waiting for its answer."""
     job_id = EntryName.parse(name).job_id
     record = Result(
         id=job_id,
@@ -305,8 +312,8 @@ def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str
     )
     txn = zk.transaction()
     txn.create(layout.result(queue, job_id), record.to_bytes())
-    txn.delete(path, stat.version)
-    return not transaction_failed(txn.commit())
+    txn.delete(layout.entry(queue, priority, name))  # whatever claims happened since the read
+    return txn.commit_async()
 
 
 def reclaim(

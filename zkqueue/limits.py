@@ -75,9 +75,14 @@ class Limits:
         limit = self.settings(queue).max_pending
         if limit is None:
             return
-        waiting = self.waiting(queue)
-        if waiting + adding > limit:
-            raise QueueFull(
-                f"queue {queue!r} is full: {waiting} jobs waiting, the limit is {limit}"
-                f"{f' (this batch adds {adding})' if adding > 1 else ''}; try again later"
-            )
+        check_counts(queue, limit, self.waiting(queue), adding)
+
+
+def check_counts(queue: str, limit: int, waiting: int, adding: int = 1) -> None:
+    """Raise QueueFull when ``adding`` more jobs would put ``waiting`` over ``limit`` (shared by
+    the blocking and the asyncio producers)."""
+    if waiting + adding > limit:
+        raise QueueFull(
+            f"queue {queue!r} is full: {waiting} jobs waiting, the limit is {limit}"
+            f"{f' (this batch adds {adding})' if adding > 1 else ''}; try again later"
+        )

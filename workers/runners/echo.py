@@ -1,4 +1,5 @@
-"""The echo runner: returns each prompt as its output after a delay. It exists for smoke tests and
+"""The echo runner: returns each prompt (a chat's messages in the plain format) as its output
+after a delay, a word per token, cut at ``max_new_tokens``. It exists for smoke tests and
 benchmarks and goes through every code path of the model runner except generation."""
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ class EchoRunner(ThreadedRunner):
         if self.fail_marker and self.fail_marker in text:
             return Outcome(Status.FAILED, error="echo runner asked to fail")
         job.progress = len(text)
-        tokens = len(text.split())
+        # Like a model: a word is a token, and max_new_tokens cuts the output.
+        limit = job.spec.max_new_tokens
+        cut = len(words) > limit
         return Outcome(
             Status.SUCCEEDED,
-            output=text,
+            output=" ".join(words[:limit]) if cut else text,
             extra={
-                "prompt_tokens": tokens,
-                "output_tokens": tokens,
-                "finish_reason": "stop",
+                "prompt_tokens": len(text.split()),
+                "output_tokens": min(len(text.split()), limit),
+                "finish_reason": "length" if cut else "stop",
             },
         )

@@ -1,0 +1,179 @@
+"""``zkq serve``: run the OpenAI-compatible gateway (added to ``zkq`` through the
+``zkq.commands`` entry points; also ``python -m gateway``).
+
+Connection options may be given here or to the ``zkq`` group (``zkq --zk H serve``); here they
+win, then the group's, then the ``ZKQ_*`` environment, then the defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from gateway.config import GatewayConfig, load
+from zkqueue import defaults
+from zkqueue.aio import AsyncClient
+from zkqueue.errors import ZkqError
+from zkqueue.logs import configure as configure_logging
+
+#: Connection options: (name, environment variable, default, type).
+_CONNECTION: tuple[tuple[str, str, Any, type], ...] = (
+    ("zk", "ZKQ_ZK", defaults.HOSTS, str),
+    ("root", "ZKQ_ROOT", defaults.ROOT, str),
+    ("session_timeout", "ZKQ_SESSION_TIMEOUT", defaults.SESSION_TIMEOUT, float),
+    ("connect_timeout", "ZKQ_CONNECT_TIMEOUT", defaults.CONNECT_TIMEOUT, float),
+    ("auth", "ZKQ_AUTH", None, str),
+    ("tls_ca", "ZKQ_TLS_CA", None, str),
+    ("tls_cert", "ZKQ_TLS_CERT", None, str),
+    ("tls_key", "ZKQ_TLS_KEY", None, str),
+)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config_path",
+    envvar="ZKQ_SERVE_CONFIG",
+    default=None,
+    help="TOML file: model -> queue mapping, API keys, defaults (docs/GATEWAY.md).",
+)
+@click.option("--host", envvar="ZKQ_SERVE_HOST", default="127.0.0.1", show_default=True)
+@click.option("--port", envvar="ZKQ_SERVE_PORT", type=int, default=8000, show_default=True)
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, seconds open requests may still finish.",
+)
+@click.option("--zk", default=None, help="ZooKeeper hosts (env ZKQ_ZK).")
+@click.option("--root", default=None, help="Root znode (env ZKQ_ROOT).")
+@click.option("--session-timeout", type=float, default=None)
+@click.option("--connect-timeout", type=float, default=None)
+@click.option("--auth", default=None, metavar="USER:PASSWORD", help="Digest auth (env ZKQ_AUTH).")
+@click.option("--tls-ca", default=None)
+@click.option("--tls-cert", default=None)
+@click.option("--tls-key", default=None)
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    config_path: str | None,
+    host: str,
+    port: int,
+    drain_timeout: float,
+    log_level: str | None,
+    **connection: Any,
+) -> None:
+    """Serve OpenAI's completion API in front of zkq's queues.
+
+    \b
+    Examples:
+      zkq serve --port 8000 --config /etc/zkq/serve.toml
+      curl localhost:8000/v1/chat/completions -H 'X-Priority: high' \\
+        -d '{"model": "default", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    if log_level is not None or ctx.parent is None:
+        configure_logging(log_level or os.environ.get("ZKQ_LOG_LEVEL", "WARNING"))
+    try:
+        config = load(config_path)
+        client = AsyncClient(**_settings(ctx, connection))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(run(client, config, host=host, port=port, drain_timeout=drain_timeout))
+    except ZkqError as exc:
+        click.echo(f"zkq: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (the serve extra has it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _settings(ctx: click.Context, given: dict[str, Any]) -> dict[str, Any]:
+    parent = ctx.obj if isinstance(ctx.obj, dict) else {}
+    out: dict[str, Any] = {}
+    for name, env, default, kind in _CONNECTION:
+        value = given.get(name)
+        if value is None:
+            value = parent.get(name)
+        if value is None and os.environ.get(env):
+            value = kind(os.environ[env])
+        out[name] = default if value is None else value
+    out["hosts"] = out.pop("zk")
+    return out
+
+
+async def run(
+    client: AsyncClient,
+    config: GatewayConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    drain_timeout: float = 30.0,
+    sock: socket.socket | None = None,
+    started: Any = None,
+) -> None:
+    """Connect, then serve until SIGTERM/SIGINT (or ``server.should_exit``). ``sock``: an
+    already bound socket (tests); ``started(server)`` is called once it listens."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, ending with exit code 0 after a SIGTERM drain (uvicorn raises the
+        signal again once drained, which systemd and shells report as a kill)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._stop)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+        def _stop(self) -> None:
+            # A second signal stops at once, without waiting for open requests.
+            self.force_exit = self.should_exit
+            self.should_exit = True
+
+    async with client:
+        app = create_app(client, config)
+        server = Server(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                lifespan="on",
+                access_log=False,
+                log_config=None,
+                timeout_graceful_shutdown=int(drain_timeout),
+            )
+        )
+        if started is not None:
+            started(server)
+        await server.serve(sockets=[sock] if sock is not None else None)

@@ -1,0 +1,61 @@
+"""``GET /metrics``: the gateway's own counters, plus the cluster-wide gauges of ``zkq metrics``.
+
+The cluster collector (zkqueue/exporter.py) reads ZooKeeper with blocking calls, so a scrape runs
+it on a pool thread; requests never do. Metric names are listed in docs/GATEWAY.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from zkqueue.client import Client
+from zkqueue.exporter import cluster_registry
+
+#: Latency buckets, seconds: from an echo job to a long generation.
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    """Requests by endpoint and HTTP status, open requests, and time to the last byte."""
+
+    def __init__(self, cluster: Client | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "zkq_gateway_requests",
+            "HTTP requests answered, by endpoint and status (a stream counts its start).",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.stream_errors = Counter(
+            "zkq_gateway_stream_errors",
+            "Streams that ended with an error event, by error code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.open = Gauge(
+            "zkq_gateway_open_requests",
+            "Completion requests waiting for or streaming their job.",
+            registry=self.registry,
+        )
+        self.withdrawn = Counter(
+            "zkq_gateway_withdrawn",
+            "Jobs withdrawn because their HTTP client went away.",
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "zkq_gateway_request_seconds",
+            "Seconds from a completion request to its last byte, by endpoint.",
+            ["endpoint"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self._cluster = cluster_registry(cluster) if cluster is not None else None
+
+    async def render(self) -> bytes:
+        """The text exposition: the gateway's metrics, then the cluster's (read on a thread)."""
+        own = generate_latest(self.registry)
+        if self._cluster is None:
+            return own
+        return own + await asyncio.to_thread(generate_latest, self._cluster)

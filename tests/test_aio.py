@@ -1,0 +1,160 @@
+"""The asyncio producer API against a real ZooKeeper and in-process echo workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.conftest import registered, wait_for
+from tests.runners import GateRunner
+from workers.runners.echo import EchoRunner
+from zkqueue import AsyncClient, Client, JobTimeout, QueueFull
+from zkqueue.result import CANCELLED
+
+T = TypeVar("T")
+
+
+def run(hosts: str, root: str, body: Callable[[AsyncClient], Awaitable[T]]) -> T:
+    """Run ``body`` with a started AsyncClient on a fresh event loop."""
+
+    async def main() -> T:
+        async with AsyncClient(hosts, root, session_timeout=4.0) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+def test_submit_and_await_the_result(hosts: str, root: str, client: Client, start_worker) -> None:
+    start_worker(EchoRunner())
+
+    async def body(aio: AsyncClient) -> Any:
+        job = await aio.submit("hello there", priority="high", max_new_tokens=8)
+        return job, await job.result(timeout=30)
+
+    job, record = run(hosts, root, body)
+    assert record.ok and record.output == "hello there" and record.priority == "high"
+    # An attached result is removed once its caller has read it.
+    wait_for(lambda: not client.zk.exists(client.layout.result("default", job.id)))
+
+
+def test_stream_yields_pieces_that_add_up_to_the_output(
+    hosts: str, root: str, start_worker
+) -> None:
+    start_worker(EchoRunner(delay=2.0))
+    prompt = " ".join(f"w{i}" for i in range(12))
+
+    async def body(aio: AsyncClient) -> tuple[list[str], str]:
+        job = await aio.submit(prompt, stream=True)
+        pieces = [p async for p in job.stream(timeout=30)]
+        return pieces, (await job.result()).output
+
+    pieces, output = run(hosts, root, body)
+    assert "".join(pieces) == prompt == output
+    assert len(pieces) >= 3, pieces  # it arrived in parts, not only at the end
+
+
+def test_timeout_withdraws_the_attached_request(hosts: str, root: str, client: Client) -> None:
+    async def body(aio: AsyncClient) -> None:
+        job = await aio.submit("nobody serves this")
+        with pytest.raises(JobTimeout):
+            await job.result(timeout=0.3)
+        stream_job = await aio.submit("nor this", stream=True)
+        with pytest.raises(JobTimeout):
+            [p async for p in stream_job.stream(timeout=0.3)]
+
+    run(hosts, root, body)
+    assert client.list() == []
+
+
+def test_cancelling_the_waiting_task_withdraws_the_job_at_once(
+    hosts: str, root: str, client: Client
+) -> None:
+    async def body(aio: AsyncClient) -> float:
+        job = await aio.submit("the caller goes away", stream=True)
+        task = asyncio.ensure_future(job.result(timeout=60))
+        await asyncio.sleep(0.1)  # let it start waiting
+        assert client.list(), "the job is pending"
+        task.cancel()
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while client.list():
+            await asyncio.sleep(0.01)
+        return time.monotonic() - started
+
+    assert run(hosts, root, body) < 1.0
+
+
+def test_chat_messages_and_parameters_travel_in_the_spec(
+    hosts: str, root: str, client: Client
+) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+    async def body(aio: AsyncClient) -> str:
+        job = await aio.submit(
+            messages=messages, max_new_tokens=5, temperature=0.5, seed=3, stop=["\n"], detach=True
+        )
+        assert job.entry_path is not None
+        data, _ = client.zk.get(job.entry_path)
+        return data.decode()
+
+    spec = json.loads(run(hosts, root, body))
+    assert spec["messages"] == messages and "prompt" not in spec
+    assert (spec["max_new_tokens"], spec["temperature"], spec["seed"]) == (5, 0.5, 3)
+    assert spec["stop"] == ["\n"]
+
+
+def test_cancel_records_a_cancelled_result(
+    hosts: str, root: str, client: Client, start_worker
+) -> None:
+    gate = GateRunner()
+    start_worker(gate)
+
+    async def body(aio: AsyncClient) -> Any:
+        job = await aio.submit("held", detach=True)
+        while not gate.started.is_set():
+            await asyncio.sleep(0.01)
+        assert await job.cancel()
+        assert not await job.cancel()  # already ended
+        return await job.result(timeout=10)
+
+    assert run(hosts, root, body).status == CANCELLED
+
+
+def test_workers_and_queue_limit(hosts: str, root: str, client: Client, start_worker) -> None:
+    start_worker(EchoRunner(), queue="llama")
+    wait_for(registered(client, 1))
+    client.set_max_pending("full", 1)
+
+    async def body(aio: AsyncClient) -> list[dict[str, Any]]:
+        await aio.submit("one", queue="full", detach=True)
+        assert await aio.waiting("full") == 1
+        with pytest.raises(QueueFull):
+            await aio.submit("two", queue="full", detach=True)
+        assert "full" in await aio.queue_names()
+        return await aio.workers()
+
+    records = run(hosts, root, body)
+    assert [r["queue"] for r in records] == ["llama"]
+
+
+def test_waiting_on_many_jobs_holds_no_thread_per_job(hosts: str, root: str, start_worker) -> None:
+    async def body(aio: AsyncClient) -> tuple[int, int, list[str]]:
+        base = threading.active_count()  # kazoo's threads, the pool thread that connected
+        jobs = [await aio.submit(f"job {i}") for i in range(200)]
+        waits = asyncio.ensure_future(asyncio.gather(*(j.result(timeout=60) for j in jobs)))
+        await asyncio.sleep(0.3)
+        during = threading.active_count()
+        await asyncio.to_thread(start_worker, EchoRunner(), slots=16)
+        done = await waits
+        return during - base, len(done), [r.status for r in done]
+
+    added, count, statuses = run(hosts, root, body)
+    assert count == 200 and set(statuses) == {"succeeded"}
+    assert added <= 0, added

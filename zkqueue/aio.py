@@ -1,0 +1,302 @@
+"""The asyncio face of the producer API, for services that wait on many jobs at once.
+
+``AsyncClient`` submits jobs and reads the registry; ``AsyncJob`` (zkqueue/aiojob.py) awaits a
+result or iterates a stream. Nothing here holds a thread per waiting job: kazoo's ``*_async``
+calls and watches run on kazoo's own threads, and each completion is handed to the event loop
+with ``call_soon_threadsafe``. Paths, specs, limits and result records are the blocking client's
+(layout, spec, limits, result), so both faces speak exactly the same protocol.
+
+    async with AsyncClient("zk1:2181") as client:
+        job = await client.submit("Hello", priority="high", stream=True)
+        async for piece in job.stream(timeout=60):
+            print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError
+from kazoo.interfaces import IAsyncResult
+
+from zkqueue import defaults
+from zkqueue.aiojob import AsyncJob
+from zkqueue.client import new_job_id
+from zkqueue.connection import TRANSIENT, ConnectionSettings, close, connect, mapped_errors
+from zkqueue.errors import ZkqConnectionError
+from zkqueue.layout import Layout, check_priority, check_queue
+from zkqueue.limits import QueueSettings, check_counts
+from zkqueue.spec import build_spec
+
+#: Seconds a producer trusts its copy of a queue's settings (as the blocking client does).
+_SETTINGS_CACHE = 5.0
+#: Seconds between checks while waiting for kazoo to reconnect.
+_RECONNECT_POLL = 0.05
+
+__all__ = ["AsyncClient", "AsyncJob"]
+
+
+class Bridge:
+    """Hands kazoo's completions and watch events (on kazoo's threads) to one event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call(self, func: Callable[..., Any], *args: Any) -> None:
+        """Run ``func(*args)`` on the loop soon; a loop already closed drops it."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(func, *args)
+
+    def future(self, call: IAsyncResult) -> asyncio.Future[Any]:
+        """An asyncio future settled with the kazoo call's value or exception."""
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        call.rawlink(lambda done: self.call(_settle, fut, done))
+        return fut
+
+
+def _settle(fut: asyncio.Future[Any], call: IAsyncResult) -> None:
+    if fut.done():
+        return  # the waiter gave up (timeout, cancellation)
+    if call.successful():
+        fut.set_result(call.value)
+    else:
+        fut.set_exception(call.exception)
+
+
+class AsyncClient:
+    """A connection to one zkq root for asyncio code. Use ``async with``, or ``await start()``
+    and ``await close()``. Every ZooKeeper call is bounded by ``connect_timeout``: a session
+    that cannot reach the ensemble fails with ZkqConnectionError instead of hanging."""
+
+    def __init__(
+        self,
+        hosts: str = defaults.HOSTS,
+        root: str = defaults.ROOT,
+        *,
+        session_timeout: float = defaults.SESSION_TIMEOUT,
+        connect_timeout: float = defaults.CONNECT_TIMEOUT,
+        max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
+        auth: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        zk: KazooClient | None = None,
+    ) -> None:
+        self.settings = ConnectionSettings(
+            hosts=hosts,
+            session_timeout=session_timeout,
+            connect_timeout=connect_timeout,
+            auth=auth,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
+        self.layout = Layout(root)
+        self.max_spec_bytes = max_spec_bytes
+        self._zk = zk
+        self._owns_zk = zk is None
+        self._bridge: Bridge | None = None
+        self._ready: set[str] = set()
+        self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> AsyncClient:
+        """Connect (kazoo's handshake runs on a worker thread once) and bind to this loop."""
+        self._bridge = Bridge(asyncio.get_running_loop())
+        if self._zk is None:
+            self._zk = await asyncio.to_thread(connect, self.settings)
+        return self
+
+    async def close(self) -> None:
+        """Close the session: every attached job of this client is withdrawn with it."""
+        if self._zk is not None and self._owns_zk:
+            zk, self._zk = self._zk, None
+            await asyncio.to_thread(close, zk)
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def zk(self) -> KazooClient:
+        if self._zk is None:
+            raise ZkqConnectionError("client is not started: use it with 'async with'")
+        return self._zk
+
+    @property
+    def bridge(self) -> Bridge:
+        if self._bridge is None:
+            raise ZkqConnectionError("client is not started: use it with 'async with'")
+        return self._bridge
+
+    @property
+    def started(self) -> bool:
+        return self._zk is not None
+
+    @property
+    def connected(self) -> bool:
+        """Whether the session is connected now (kazoo reconnects by itself after a loss)."""
+        return self._zk is not None and bool(self._zk.connected)
+
+    # -- awaiting kazoo ----------------------------------------------------------------------
+
+    async def wait(self, call: IAsyncResult, timeout: float | None = None) -> Any:
+        """The value of one kazoo ``*_async`` call, or its exception; ZkqConnectionError if
+        ZooKeeper does not answer within ``timeout`` (default: the connect timeout)."""
+        limit = self.settings.connect_timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(limit):
+                return await self.bridge.future(call)
+        except TimeoutError:
+            raise ZkqConnectionError(
+                f"ZooKeeper at {self.settings.hosts} did not answer within {limit:g}s"
+            ) from None
+
+    async def maybe(self, call: IAsyncResult) -> Any:
+        """Like wait(), but None where the node does not exist."""
+        try:
+            return await self.wait(call)
+        except NoNodeError:
+            return None
+
+    # -- producing ---------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str = "",
+        priority: str = defaults.PRIORITY,
+        queue: str = defaults.QUEUE,
+        max_new_tokens: int | None = None,
+        detach: bool = False,
+        **params: Any,
+    ) -> AsyncJob:
+        """Enqueue one job (a prompt, or ``messages=[...]`` for a chat) with the job parameters
+        of ``Client.submit``. An attached request (detach=False) is withdrawn if this client
+        goes away, if its ``result()``/``stream()`` times out, or if the task awaiting it is
+        cancelled."""
+        check_priority(priority)
+        check_queue(queue)
+        data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
+        job_id = new_job_id()
+        with mapped_errors(self.settings.hosts):
+            await self.ensure_queue(queue)
+            await self.check_room(queue)
+            name = await self._create_entry(queue, priority, job_id, data, ephemeral=not detach)
+        return AsyncJob(self, job_id, queue, priority, name, detach=detach, owned=True)
+
+    async def ensure_queue(self, queue: str) -> None:
+        """Create the queue's directories once per client (idempotent, pipelined)."""
+        if queue in self._ready:
+            return
+        calls = [self.zk.create_async(p, makepath=True) for p in self.layout.queue_dirs(queue)]
+        for call in calls:
+            with contextlib.suppress(NodeExistsError):
+                await self.wait(call)
+        self._ready.add(queue)
+
+    async def waiting(self, queue: str) -> int:
+        """Jobs of a queue not yet started: entries minus claims (pipelined stat reads)."""
+        with mapped_errors(self.settings.hosts):
+            lay = self.layout
+            calls = [self.zk.exists_async(lay.pending(queue, p)) for p in defaults.PRIORITIES]
+            calls.append(self.zk.exists_async(lay.claims(queue)))
+            stats = [await self.wait(c) for c in calls]
+        counts = [s.numChildren if s is not None else 0 for s in stats]
+        return sum(counts[:-1]) - counts[-1]
+
+    async def check_room(self, queue: str) -> None:
+        """Raise QueueFull when the queue holds its maximum of waiting jobs."""
+        limit = (await self._settings(queue)).max_pending
+        if limit is not None:
+            check_counts(queue, limit, await self.waiting(queue))
+
+    async def _settings(self, queue: str) -> QueueSettings:
+        cached = self._queue_settings.get(queue)
+        if cached and time.monotonic() - cached[0] < _SETTINGS_CACHE:
+            return cached[1]
+        found = await self.maybe(self.zk.get_async(self.layout.queue(queue)))
+        settings = QueueSettings.from_bytes(found[0]) if found else QueueSettings()
+        self._queue_settings[queue] = (time.monotonic(), settings)
+        return settings
+
+    async def _create_entry(
+        self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
+    ) -> str:
+        """Create the entry exactly once: after a ConnectionLoss the create may have happened,
+        so wait for the connection and look for the id before creating again."""
+        prefix = self.layout.entry_prefix(queue, priority, job_id)
+        deadline = time.monotonic() + self.settings.connect_timeout
+        while True:
+            call = self.zk.create_async(prefix, data, ephemeral=ephemeral, sequence=True)
+            try:
+                path: str = await self.wait(call)
+                return path.rsplit("/", 1)[1]
+            except ZkqConnectionError as exc:
+                if ephemeral:  # nobody will wait for it: remove it should it commit later
+                    call.rawlink(_delete_if_created(self.zk))
+                raise ZkqConnectionError(f"{exc} while enqueuing job {job_id}", job_id) from None
+            except (ConnectionLoss, SessionExpiredError):
+                found = await self._find_after_loss(queue, priority, job_id, deadline)
+                if found is not None:
+                    return found
+
+    async def _find_after_loss(
+        self, queue: str, priority: str, job_id: str, deadline: float
+    ) -> str | None:
+        while True:
+            while not self.connected:
+                if time.monotonic() > deadline:
+                    raise ZkqConnectionError(
+                        f"lost ZooKeeper at {self.settings.hosts} while enqueuing job {job_id} "
+                        f"(check with: zkq status {job_id})",
+                        job_id,
+                    )
+                await asyncio.sleep(_RECONNECT_POLL)
+            try:
+                pending = self.layout.pending(queue, priority)
+                names = await self.wait(self.zk.get_children_async(pending))
+            except TRANSIENT:
+                continue
+            return next((n for n in names if n.startswith(f"{job_id}-")), None)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def job(self, job_id: str, queue: str, priority: str, entry: str | None = None) -> AsyncJob:
+        """A handle on a job known by id, queue and priority (not owned: it never withdraws)."""
+        return AsyncJob(self, job_id, check_queue(queue), check_priority(priority), entry)
+
+    async def queue_names(self) -> list[str]:
+        with mapped_errors(self.settings.hosts):
+            names = await self.maybe(self.zk.get_children_async(self.layout.queues()))
+        return sorted(names or [])
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """Registered workers' records (see docs/PROTOCOL.md), read with pipelined gets; a
+        registration that vanished meanwhile or is not JSON is left out."""
+        with mapped_errors(self.settings.hosts):
+            names = await self.maybe(self.zk.get_children_async(self.layout.workers()))
+            calls = [self.zk.get_async(self.layout.worker(n)) for n in sorted(names or [])]
+            found = [await self.maybe(c) for c in calls]
+        records = []
+        for item in found:
+            with contextlib.suppress(ValueError, TypeError):
+                if item is not None and isinstance(record := json.loads(item[0]), dict):
+                    records.append(record)
+        return records
+
+
+def _delete_if_created(zk: KazooClient) -> Callable[[IAsyncResult], None]:
+    def cleanup(call: IAsyncResult) -> None:
+        if call.successful():
+            zk.delete_async(call.value)
+
+    return cleanup
