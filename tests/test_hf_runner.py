@@ -343,18 +343,46 @@ def test_min_new_tokens_matches_generate(
 # -- the engine's loop dying --------------------------------------------------------------------
 
 
-def test_loop_death_releases_its_jobs_and_the_rebuilt_engine_serves(
+def test_a_request_larger_than_the_cache_kills_the_loop_and_a_new_engine_serves(
     tiny_dir: Path, direct: tuple[Any, Any]
 ) -> None:
-    """A request larger than the whole cache (admission would keep it out) kills the loop."""
+    """Admission keeps such a job out; here it goes to the runner directly."""
     runner = make_runner(tiny_dir, pages=4)  # 64 positions
     harness = Harness(runner)
     try:
-        big = harness.submit("Hello " * 150, max_new_tokens=10)
-        small = harness.submit("A", max_new_tokens=40)
-        for outcome in harness.wait(big, small):
+        [outcome] = harness.wait(harness.submit("Hello " * 150, max_new_tokens=10))
+        assert (outcome.status, outcome.release) == ("failed", True)
+        assert "No requests can be scheduled" in (outcome.error or "")
+        outcome = harness.run("Hello", max_new_tokens=12)
+        assert outcome.status == "succeeded", outcome.error
+        assert outcome.output == generate_directly(*direct, "Hello", 12)
+    finally:
+        runner.close()
+
+
+def test_a_failing_step_releases_every_job_in_flight(
+    tiny_dir: Path, direct: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(tiny_dir)
+    harness = Harness(runner)
+    model = runner._model
+    real_forward = model.forward
+    fail = threading.Event()
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if fail.is_set():
+            fail.clear()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    try:
+        jobs = [harness.submit(p, max_new_tokens=400, ignore_eos=True) for p in PROMPTS[:3]]
+        poll(lambda: all(j.progress >= 3 for j in jobs))
+        fail.set()
+        for outcome in harness.wait(*jobs):
             assert (outcome.status, outcome.release) == ("failed", True)
-            assert "engine failed" in (outcome.error or "")
+            assert "out of memory" in (outcome.error or "")
         outcome = harness.run("Hello", max_new_tokens=12)
         assert outcome.status == "succeeded", outcome.error
         assert outcome.output == generate_directly(*direct, "Hello", 12)
