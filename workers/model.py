@@ -41,9 +41,10 @@ PAGE_TOKENS = 32
 BATCH_TOKENS = {"cpu": 256, "cuda": 2048}
 
 
-def build_model_runner(opts: WorkerOptions) -> tuple[HFRunner, Admission]:
+def build_model_runner(opts: WorkerOptions, *, sampling: bool = True) -> tuple[HFRunner, Admission]:
     """The runner for ``opts.model`` with a cache sized from the memory left, and its admission.
-    Raises ConfigurationError when the model cannot be loaded or no cache page fits."""
+    ``sampling=False`` builds a greedy-only engine (see ``workers.runners.engine`` for the cost
+    of sampling). Raises ConfigurationError when the model cannot be loaded or no page fits."""
     if not opts.model:
         raise ConfigurationError("a model worker needs a model directory (--model)")
     path = Path(opts.model).expanduser()
@@ -61,6 +62,7 @@ def build_model_runner(opts: WorkerOptions) -> tuple[HFRunner, Admission]:
         max_requests=opts.max_concurrency,
         slow_after=opts.slow_after,
         default_max_runtime=opts.max_runtime,
+        sampling=sampling,
     )
     admission = Admission(
         pages, PAGE_TOKENS, count_tokens=runner.count_tokens, validate=runner.validate
