@@ -1,73 +1,99 @@
-"""Admission rules, with a batch estimator that charges padding like the model runner does."""
+"""Admission in KV-cache pages: a job takes ceil((prompt + max_new_tokens) / page_tokens) pages
+for its whole life; it is admitted while those fit beside the pages promised to running jobs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
 
 from workers.admission import Admission, Verdict
 from zkqueue.spec import JobSpec
 
-PER_TOKEN = 10
+
+def count(spec: JobSpec) -> int:
+    """One token per character: easy page arithmetic."""
+    return len(spec.prompt)
 
 
-def padded(specs: Sequence[JobSpec]) -> int:
-    """Every row as long as the longest prompt, run for the largest max_new_tokens."""
-    if not specs:
-        return 0
-    return (
-        len(specs)
-        * PER_TOKEN
-        * (max(len(s.prompt) for s in specs) + max(s.max_new_tokens for s in specs))
-    )
-
-
-def make(free: int, capacity: int, keep_free: int = 0) -> Admission:
+def make(pages: int = 10, page_tokens: int = 16) -> Admission:
     return Admission(
-        estimate=padded,
-        free=lambda: free,
-        capacity=capacity,
-        keep_free=keep_free,
+        pages,
+        page_tokens,
+        count_tokens=count,
         validate=lambda s: "too long" if len(s.prompt) > 500 else None,
     )
 
 
-def test_a_job_that_fits_is_admitted_with_its_need() -> None:
-    d = make(free=10_000, capacity=10_000).judge(JobSpec(prompt="x" * 10, max_new_tokens=10))
-    assert (d.verdict, d.need) == (Verdict.ADMIT, 200)
+def test_a_job_takes_whole_pages_for_its_prompt_and_new_tokens() -> None:
+    adm = make()
+    assert adm.pages_for(JobSpec(prompt="x" * 10, max_new_tokens=6)) == 1
+    assert adm.pages_for(JobSpec(prompt="x" * 10, max_new_tokens=7)) == 2
+    assert adm.pages_for(JobSpec(prompt="x" * 32, max_new_tokens=32)) == 4
 
 
-def test_a_job_that_fits_an_idle_worker_waits() -> None:
-    d = make(free=150, capacity=10_000).judge(JobSpec(prompt="x" * 10, max_new_tokens=10))
+def test_a_job_that_fits_is_admitted_with_its_pages() -> None:
+    d = make().judge(JobSpec(prompt="x" * 20, max_new_tokens=20))
+    assert (d.verdict, d.pages) == (Verdict.ADMIT, 3)
+
+
+def test_promised_pages_make_the_next_job_wait() -> None:
+    adm = make(pages=4)
+    spec = JobSpec(prompt="x" * 20, max_new_tokens=20)  # 3 pages
+    adm.reserve(adm.judge(spec).pages)
+    assert adm.promised == 3
+    d = adm.judge(spec)
     assert d.verdict == Verdict.WAIT
+    assert "1 free" in d.reason
+    adm.release(3)
+    assert adm.judge(spec).verdict == Verdict.ADMIT
 
 
-def test_keep_free_is_never_promised() -> None:
-    spec = JobSpec(prompt="x" * 10, max_new_tokens=10)
-    assert make(free=250, capacity=10_000, keep_free=0).judge(spec).verdict == Verdict.ADMIT
-    assert make(free=250, capacity=10_000, keep_free=100).judge(spec).verdict == Verdict.WAIT
+def test_pages_picked_earlier_in_the_same_turn_count() -> None:
+    adm = make(pages=4)
+    spec = JobSpec(prompt="x" * 20, max_new_tokens=20)
+    assert adm.judge(spec, extra=0).verdict == Verdict.ADMIT
+    assert adm.judge(spec, extra=3).verdict == Verdict.WAIT
 
 
-def test_bigger_than_capacity_is_never_here() -> None:
-    d = make(free=10_000, capacity=100).judge(JobSpec(prompt="x" * 10, max_new_tokens=10))
-    assert d.verdict == Verdict.NEVER
-    assert "this worker holds at most" in d.reason
+def test_bigger_than_the_whole_cache_is_never_here() -> None:
+    d = make(pages=2).judge(JobSpec(prompt="x" * 40, max_new_tokens=10))
+    assert (d.verdict, d.pages) == (Verdict.NEVER, 4)
+    assert "whole cache is 2 pages" in d.reason
 
 
 def test_validation_failure_is_a_rejection() -> None:
-    d = make(free=10_000, capacity=10_000).judge(JobSpec(prompt="x" * 600))
+    d = make().judge(JobSpec(prompt="x" * 600))
     assert (d.verdict, d.reason) == (Verdict.REJECT, "too long")
 
 
-def test_padding_is_charged_to_the_batch() -> None:
-    """A short job next to a long one costs as much as the long one: the sum would under-count."""
-    long = JobSpec(prompt="x" * 100, max_new_tokens=10)
-    short = JobSpec(prompt="x", max_new_tokens=1)
-    adm = make(free=2_000, capacity=10_000)
-    assert adm.judge(long).need == 1_100
-    second = adm.judge(short, [long])
-    assert second.verdict == Verdict.WAIT  # 2 rows x 110 tokens x 10 = 2200 > 2000
-    assert make(free=2_200, capacity=10_000).judge(short, [long]).need == 1_100
+def test_capacity_in_tokens_compares_workers_with_other_page_sizes() -> None:
+    assert make(pages=10, page_tokens=16).capacity_tokens == 160
+    assert Admission().capacity_tokens is None
 
 
-def test_without_an_estimator_everything_fits() -> None:
-    assert Admission().judge(JobSpec(prompt="x")).verdict == Verdict.ADMIT
+def test_release_never_goes_below_zero() -> None:
+    adm = make()
+    adm.reserve(2)
+    adm.release(5)
+    assert adm.promised == 0
+
+
+def test_the_ledger_is_thread_safe() -> None:
+    adm = make(pages=1000)
+
+    def churn() -> None:
+        for _ in range(1000):
+            adm.reserve(3)
+            adm.release(3)
+        adm.reserve(1)
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert adm.promised == 8
+
+
+def test_without_a_cache_everything_fits() -> None:
+    d = Admission().judge(JobSpec(prompt="x"))
+    assert (d.verdict, d.pages) == (Verdict.ADMIT, 0)

@@ -1,8 +1,10 @@
-"""The HuggingFace runner against the real tiny model on the CPU in float32."""
+"""The HuggingFace runner on transformers' continuous batching, against the real tiny model on the
+CPU in float32. A small harness starts the runner and collects each job's one outcome."""
 
 from __future__ import annotations
 
-import logging
+import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,22 +13,86 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.runners import generate_directly
-from workers.runners.base import Outcome, RunningJob
-from workers.runners.hf import BatchOutOfMemory, HFRunner
+from workers.model import build_model_runner, load
+from workers.options import WorkerOptions
+from workers.runners.base import CancelReason, Outcome, RunningJob
+from workers.runners.hf import HFRunner
 from workers.tinymodel import CONTEXT_LENGTH, write_tiny_model
 from zkqueue.errors import ConfigurationError
-from zkqueue.spec import JobSpec
+from zkqueue.spec import JobSpec, render_plain
 
+CPU = torch.device("cpu")
 PROMPTS = [
     "Hello",
     "The worker admits a job only when a slot is free and",
     "A",
     "Numbers 1 2 3 and symbols ( ) [ ] { } appear too, " * 3,
     "def run(jobs):",
+    "ZooKeeper keeps the shared state",
+    "Greedy decoding picks",
+    "Pack my box with five dozen liquor jugs.",
 ]
+_ids = itertools.count()
+
+
+class Harness:
+    """Starts a runner and gathers the outcome of every job it reports (exactly once each)."""
+
+    def __init__(self, runner: HFRunner) -> None:
+        self.runner = runner
+        self.outcomes: dict[str, Outcome] = {}
+        self.reported: list[str] = []
+        self._cond = threading.Condition()
+        runner.start(self._done)
+
+    def _done(self, job: RunningJob, outcome: Outcome) -> None:
+        with self._cond:
+            self.reported.append(job.id)
+            self.outcomes[job.id] = outcome
+            self._cond.notify_all()
+
+    def submit(self, prompt: str = "Hello", **spec: Any) -> RunningJob:
+        running = job(prompt, **spec)
+        self.runner.submit(running)
+        return running
+
+    def wait(self, *jobs: RunningJob, timeout: float = 60.0) -> list[Outcome]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not all(j.id in self.outcomes for j in jobs):
+                left = deadline - time.monotonic()
+                assert left > 0, "no outcome in time"
+                self._cond.wait(left)
+        assert len(self.reported) == len(set(self.reported)), "a job was reported twice"
+        return [self.outcomes[j.id] for j in jobs]
+
+    def run(self, prompt: str = "Hello", **spec: Any) -> Outcome:
+        return self.wait(self.submit(prompt, **spec))[0]
+
+
+def job(prompt: str = "Hello", **spec: Any) -> RunningJob:
+    return RunningJob(
+        id=f"job-{next(_ids)}",
+        spec=JobSpec(prompt=prompt, **spec),
+        priority="normal",
+        queue="default",
+        attempts=1,
+    )
+
+
+def poll(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.002)
+
+
+def make_runner(tiny_dir: Path, **kwargs: Any) -> HFRunner:
+    tokenizer, model = load(tiny_dir, CPU, torch.float32)
+    options = {"pages": 256, "page_tokens": 16, "max_batch_tokens": 128, **kwargs}
+    return HFRunner(tokenizer, model, name=str(tiny_dir), **options)
 
 
 @pytest.fixture(scope="module")
@@ -35,312 +101,316 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_dir: Path) -> Iterator[HFRunner]:
-    hf = HFRunner(tiny_dir, device="cpu", dtype="float32")
-    yield hf
-    hf.close()
+def harness(tiny_dir: Path) -> Iterator[Harness]:
+    runner = make_runner(tiny_dir)
+    yield Harness(runner)
+    runner.close()
 
 
 @pytest.fixture(scope="module")
 def direct(tiny_dir: Path) -> tuple[Any, Any]:
-    """The model and tokenizer loaded independently of the runner."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
-    return model, AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    """The model and tokenizer loaded independently of the runner: (model, tokenizer)."""
+    tokenizer, model = load(tiny_dir, CPU, torch.float32)
+    return model, tokenizer
 
 
-def job(prompt: str = "Hello", job_id: str = "job", **spec: Any) -> RunningJob:
-    return RunningJob(
-        id=job_id,
-        spec=JobSpec(prompt=prompt, **spec),
-        priority="normal",
-        queue="default",
-        attempts=1,
-    )
+# -- what the worker reads ----------------------------------------------------------------------
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.001)
-
-
-def count_generate_calls(monkeypatch: pytest.MonkeyPatch, runner: HFRunner) -> list[int]:
-    """Record the batch size of every ``generate`` call the runner makes."""
-    calls: list[int] = []
-    real = runner._model.generate
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(int(kwargs["input_ids"].shape[0]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner._model, "generate", counting)
-    return calls
-
-
-# -- describing the model -----------------------------------------------------------------------
-
-
-def test_describe(runner: HFRunner, tiny_dir: Path) -> None:
+def test_describe(harness: Harness, tiny_dir: Path) -> None:
+    runner = harness.runner
     info = runner.describe()
     params = sum(p.numel() * 4 for p in runner._model.parameters())
-    assert info["model"] == str(tiny_dir) == runner.name
-    assert (info["device"], info["dtype"], info["dtype_bytes"]) == ("cpu", "float32", 4)
+    assert (info["model"], info["device"], info["dtype"]) == (str(tiny_dir), "cpu", "float32")
     assert params <= info["weight_bytes"] < params * 1.01
-    assert info["max_batch"] == 8
     assert info["context_length"] == runner.context_length == CONTEXT_LENGTH
-    assert runner.config.num_key_value_heads == 2
+    # 2 layers x 2 KV heads x head_dim 16 x K and V x 4 bytes x 16 positions.
+    cache = {"pages_total": 256, "page_tokens": 16, "bytes_per_page": 8192, "max_batch_tokens": 128}
+    assert info["cache"] == cache
+    assert (runner.cache_pages, runner.page_tokens) == (256, 16)
 
 
-def test_count_tokens_matches_the_tokenizer(runner: HFRunner, direct: tuple[Any, Any]) -> None:
+def test_the_engine_allocates_what_was_sized(harness: Harness) -> None:
+    engine = harness.runner._engine
+    assert engine is not None
+    allocated = engine.allocated_bytes()
+    assert allocated is not None
+    wanted = 256 * 8192
+    assert wanted <= allocated <= wanted + 3 * 8192  # trash sectors and rounding
+    in_use = harness.runner.pages_in_use()
+    assert in_use is not None and 0 <= in_use <= 256
+
+
+def test_count_tokens_matches_the_tokenizer(harness: Harness, direct: tuple[Any, Any]) -> None:
     _, tokenizer = direct
     for prompt in PROMPTS:
-        assert runner.count_tokens(prompt) == len(tokenizer(prompt)["input_ids"])
+        assert harness.runner.count_tokens(JobSpec(prompt=prompt)) == len(
+            tokenizer(prompt)["input_ids"]
+        )
 
 
-def test_need_bytes_grows_with_the_job(runner: HFRunner) -> None:
-    small = runner.need_bytes(JobSpec(prompt="Hi", max_new_tokens=4))
-    big = runner.need_bytes(JobSpec(prompt="Hi " * 50, max_new_tokens=400))
-    assert 0 < small < big
+def test_validate_refuses_a_prompt_over_the_context(harness: Harness) -> None:
+    runner = harness.runner
+    assert runner.validate(JobSpec(prompt="Hello", max_new_tokens=10)) is None
+    long = JobSpec(prompt="Hello " * 300, max_new_tokens=400)
+    problem = runner.validate(long)
+    assert problem is not None and "exceeds the model context of 512 tokens" in problem
+    outcome = harness.run(long.prompt, max_new_tokens=400)
+    assert (outcome.status, outcome.error) == ("failed", problem)
 
 
 # -- generation ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 12, 40])
-def test_single_greedy_job_matches_generate(
-    runner: HFRunner, direct: tuple[Any, Any], max_new_tokens: int
+def test_greedy_alone_matches_generate(
+    harness: Harness, direct: tuple[Any, Any], max_new_tokens: int
 ) -> None:
-    for prompt in PROMPTS:
-        [outcome] = runner.run([job(prompt, max_new_tokens=max_new_tokens)])
+    for prompt in PROMPTS[:5]:
+        outcome = harness.run(prompt, max_new_tokens=max_new_tokens)
         assert outcome.status == "succeeded", outcome.error
         assert outcome.output == generate_directly(*direct, prompt, max_new_tokens)
-        assert outcome.extra["output_tokens"] == max_new_tokens
+        extra = outcome.extra
+        assert (extra["output_tokens"], extra["finish_reason"]) == (max_new_tokens, "length")
+        assert extra["prompt_tokens"] == harness.runner.count_tokens(JobSpec(prompt=prompt))
+        assert 0 < extra["ttft_s"] <= extra["total_s"]
 
 
-def test_batch_equals_each_job_alone_in_one_generate_call(
-    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+def test_eight_mixed_jobs_together_match_generate(
+    harness: Harness, direct: tuple[Any, Any]
 ) -> None:
-    limits = [5, 30, 17, 40, 1]
-    pairs = zip(PROMPTS, limits, strict=True)
-    jobs = [job(p, f"j{i}", max_new_tokens=n) for i, (p, n) in enumerate(pairs)]
-    alone = [
-        runner.run([job(j.spec.prompt, max_new_tokens=j.spec.max_new_tokens)])[0] for j in jobs
-    ]
-    calls = count_generate_calls(monkeypatch, runner)
-    batched = runner.run(jobs)
-    assert calls == [len(jobs)]
-    for j, b, a in zip(jobs, batched, alone, strict=True):
-        assert b.status == "succeeded"
-        assert b.output == a.output
-        assert b.extra["output_tokens"] == j.spec.max_new_tokens == j.progress
-        assert b.extra["prompt_tokens"] == runner.count_tokens(j.spec.prompt)
-        assert 0 < b.extra["ttft_s"] <= b.extra["total_s"]
+    sizes = [5, 40, 1, 23, 8, 31, 2, 17]
+    jobs = [harness.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, sizes, strict=True)]
+    for running, outcome in zip(jobs, harness.wait(*jobs), strict=True):
+        spec = running.spec
+        assert outcome.status == "succeeded", outcome.error
+        assert outcome.output == generate_directly(*direct, spec.prompt, spec.max_new_tokens)
 
 
-def test_max_batch_splits_the_batch(runner: HFRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = [job(p, max_new_tokens=6) for p in PROMPTS]
-    expected = [o.output for o in runner.run(jobs)]
-    monkeypatch.setattr(runner, "max_batch", 2)
-    calls = count_generate_calls(monkeypatch, runner)
-    assert [o.output for o in runner.run(jobs)] == expected
-    assert calls == [2, 2, 1]
+def test_streaming_jobs_get_partial_ids_and_progress(harness: Harness) -> None:
+    streaming = harness.submit("Hello", max_new_tokens=30, stream=True)
+    quiet = harness.submit("Hello", max_new_tokens=30)
+    assert streaming.decode is not None
+    poll(lambda: 0 < len(streaming.partial_ids) < 30 or streaming.id in harness.outcomes)
+    first, second = harness.wait(streaming, quiet)
+    assert streaming.partial_text() == first.output == second.output
+    assert streaming.progress == len(streaming.partial_ids) == 30
+    assert quiet.progress == 30 and quiet.partial_ids == []
 
 
-def test_eos_ends_a_row_early_while_others_continue(tiny_dir: Path) -> None:
-    """Make eos win where the token greedy decoding picks third would (its lm_head row copied,
-    scaled up by 1%); then that row stops at eos early and still matches ``generate``."""
-    hf = HFRunner(tiny_dir, device="cpu", dtype="float32")
-    tokenizer = hf._tokenizer
-    enc = tokenizer(PROMPTS[1], return_tensors="pt")
-    out = hf._model.generate(
-        **enc, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )
-    third = int(out[0, -1])
-    with torch.no_grad():
-        head = hf._model.lm_head.weight
-        head[tokenizer.eos_token_id] = head[third] * 1.01
-    expected = generate_directly(hf._model, tokenizer, PROMPTS[1], 50)
-    outcomes = hf.run([job(PROMPTS[1], max_new_tokens=50), job(PROMPTS[0], max_new_tokens=50)])
-    assert outcomes[0].status == "succeeded"
-    assert outcomes[0].output == expected
-    assert outcomes[0].extra["output_tokens"] == 2
-    assert outcomes[0].output == hf.run([job(PROMPTS[1], max_new_tokens=50)])[0].output
-    assert outcomes[1].output == hf.run([job(PROMPTS[0], max_new_tokens=50)])[0].output
-    hf.close()
-
-
-def test_seeded_sampling_is_reproducible_and_leaves_greedy_alone(runner: HFRunner) -> None:
-    greedy = runner.run([job(PROMPTS[1], max_new_tokens=20)])[0].output
-    sampled = job(PROMPTS[1], max_new_tokens=20, temperature=1.5, seed=7)
-    first = runner.run([sampled, job(PROMPTS[1], max_new_tokens=20)])
-    again = runner.run([job(PROMPTS[1], max_new_tokens=20, temperature=1.5, seed=7)])
-    other = runner.run([job(PROMPTS[1], max_new_tokens=20, temperature=1.5, seed=8)])
-    assert first[0].status == "succeeded"
-    assert first[0].output == again[0].output
-    assert first[0].output != other[0].output
-    assert first[1].output == greedy
-
-
-def test_sampling_jobs_run_apart_from_greedy_ones(
-    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    jobs = [
-        job(PROMPTS[0], max_new_tokens=4),
-        job(PROMPTS[1], max_new_tokens=4, top_p=0.9),
-        job(PROMPTS[2], max_new_tokens=4),
-        job(PROMPTS[3], max_new_tokens=4, top_p=0.9),
-        job(PROMPTS[4], max_new_tokens=4, temperature=0.8, seed=1),
-        job(PROMPTS[4], max_new_tokens=4, seed=1),
-    ]  # a seed alone: greedy
-    calls = count_generate_calls(monkeypatch, runner)
-    outcomes = runner.run(jobs)
-    assert [o.status for o in outcomes] == ["succeeded"] * 6
-    assert calls == [3, 2, 1]
-
-
-# -- stopping early -----------------------------------------------------------------------------
-
-
-def test_cancel_from_another_thread_stops_the_row(runner: HFRunner) -> None:
-    victim = job(PROMPTS[0], "victim", max_new_tokens=CONTEXT_LENGTH - 8)
-    bystander = job(PROMPTS[2], "bystander", max_new_tokens=30)
-    outcomes: list[Outcome] = []
-    worker = threading.Thread(target=lambda: outcomes.extend(runner.run([victim, bystander])))
-    worker.start()
-    wait_for(lambda: victim.progress > 0)
-    victim.cancel("cancelled")
-    seen = victim.progress
-    worker.join(timeout=60)
-    assert not worker.is_alive()
-    cancelled, done = outcomes
-    assert cancelled.status == "cancelled"
-    assert "cancelled" in (cancelled.error or "")
-    assert 0 < cancelled.extra["output_tokens"] <= seen + 1 < victim.spec.max_new_tokens
-    assert done.status == "succeeded"
-    assert done.output == runner.run([job(PROMPTS[2], max_new_tokens=30)])[0].output
-
-
-def test_job_cancelled_before_the_run_is_not_generated(runner: HFRunner) -> None:
-    early = job(PROMPTS[0], max_new_tokens=10)
-    early.cancel("withdrawn")
-    [outcome, other] = runner.run([early, job(PROMPTS[1], max_new_tokens=3)])
+def test_cancel_stops_mid_generation_with_the_partial_output(harness: Harness) -> None:
+    running = harness.submit("Hello", max_new_tokens=400, ignore_eos=True)
+    poll(lambda: running.progress >= 5)
+    at_cancel = running.progress
+    running.cancel(CancelReason.CANCELLED)
+    [outcome] = harness.wait(running)
+    tokens = outcome.extra["output_tokens"]
     assert outcome.status == "cancelled"
-    assert "withdrawn" in (outcome.error or "")
-    assert outcome.extra["output_tokens"] == 0
-    assert other.status == "succeeded"
+    assert at_cancel <= tokens <= at_cancel + 3, "the job ran on after its cancellation"
+    assert outcome.output and "cancelled after" in (outcome.error or "")
+    # The engine is free again: a job submitted now runs.
+    assert harness.run("A", max_new_tokens=3).status == "succeeded"
 
 
-def test_max_runtime_times_out_with_partial_output(runner: HFRunner) -> None:
-    slow = job(PROMPTS[0], max_new_tokens=CONTEXT_LENGTH - 8, max_runtime=0.001)
-    quick = job(PROMPTS[1], max_new_tokens=5)
-    timed_out, fine = runner.run([slow, quick])
-    assert timed_out.status == "timeout"
-    assert "max_runtime of 0.001 s" in (timed_out.error or "")
-    assert 1 <= timed_out.extra["output_tokens"] < slow.spec.max_new_tokens
-    assert timed_out.output
-    assert fine.status == "succeeded"
-    assert fine.extra["output_tokens"] == 5
+def test_a_job_cancelled_before_submit_ends_at_once(harness: Harness) -> None:
+    running = job("Hello", max_new_tokens=50)
+    running.cancel(CancelReason.LEASE)
+    harness.runner.submit(running)
+    [outcome] = harness.wait(running)
+    assert outcome.status == "cancelled" and "lease" in (outcome.error or "")
 
 
-def test_default_max_runtime_applies(tiny_dir: Path) -> None:
-    hf = HFRunner(tiny_dir, device="cpu", dtype="float32", default_max_runtime=0.001)
-    [outcome] = hf.run([job(PROMPTS[0], max_new_tokens=CONTEXT_LENGTH - 8)])
+def test_max_runtime_ends_with_timeout_and_the_partial_output(harness: Harness) -> None:
+    outcome = harness.run("Hello", max_new_tokens=400, ignore_eos=True, max_runtime=0.3)
     assert outcome.status == "timeout"
-    hf.close()
+    assert "max_runtime of 0.3 s" in (outcome.error or "")
+    assert 0 < outcome.extra["output_tokens"] < 400
+    assert outcome.output
 
 
-def test_slow_jobs_are_logged(
-    runner: HFRunner, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_stop_strings_cut_the_output(harness: Harness, direct: tuple[Any, Any]) -> None:
+    full = generate_directly(*direct, "Hello", 40)
+    stop = full[12:16]
+    expected = full[: full.find(stop)]
+    outcome = harness.run("Hello", max_new_tokens=40, stop=[stop, "never appears"])
+    assert outcome.status == "succeeded", outcome.error
+    assert (outcome.output, outcome.extra["finish_reason"]) == (expected, "stop")
+    assert outcome.extra["output_tokens"] < 40
+
+
+def test_chat_messages_without_a_template_use_the_plain_rendering(
+    harness: Harness, direct: tuple[Any, Any]
 ) -> None:
-    monkeypatch.setattr(runner, "slow_after", 0.0)
-    with caplog.at_level(logging.WARNING, logger="zkq.runner"):
-        runner.run([job(PROMPTS[1], "slowpoke", max_new_tokens=3)])
-    [record] = [r for r in caplog.records if "slowpoke" in r.getMessage()]
-    assert f"prompt {runner.count_tokens(PROMPTS[1])} tokens" in record.getMessage()
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    running = RunningJob(
+        id=f"job-{next(_ids)}",
+        spec=JobSpec(prompt="", messages=messages, max_new_tokens=10),
+        priority="normal",
+        queue="default",
+        attempts=1,
+    )
+    harness.runner.submit(running)
+    [outcome] = harness.wait(running)
+    assert outcome.output == generate_directly(*direct, render_plain(messages), 10)
 
 
-# -- bad jobs and bad batches -------------------------------------------------------------------
+def test_chat_messages_use_the_tokenizer_template(tiny_dir: Path) -> None:
+    runner = make_runner(tiny_dir, pages=4)
+    tokenizer = runner.codec.tokenizer
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    messages = ({"role": "user", "content": "Hi there"},)
+    spec = JobSpec(prompt="", messages=messages)
+    # The template writes the bos itself: the tokenizer adds no special token around it.
+    rendered = tokenizer("<s>user: Hi there\nassistant:", add_special_tokens=False)["input_ids"]
+    assert rendered[0] == tokenizer.bos_token_id
+    assert runner.codec.encode(spec) == rendered
+    assert runner.count_tokens(spec) == len(rendered)
 
 
-def test_prompt_too_long_fails_alone(runner: HFRunner) -> None:
-    long_prompt = "queue " * 600
-    too_long = job(long_prompt, "long", max_new_tokens=8)
-    n = runner.count_tokens(long_prompt)
-    just_over = job("Hello " * 100, "over", max_new_tokens=CONTEXT_LENGTH)
-    fine = job(PROMPTS[1], max_new_tokens=8)
-    outcomes = runner.run([too_long, fine, just_over])
-    assert [o.status for o in outcomes] == ["failed", "succeeded", "failed"]
-    assert f"prompt is {n} tokens" in (outcomes[0].error or "")
-    assert f"context of {CONTEXT_LENGTH} tokens" in (outcomes[0].error or "")
-    assert "max_new_tokens=512" in (outcomes[2].error or "")
-    assert outcomes[1].output == runner.run([job(PROMPTS[1], max_new_tokens=8)])[0].output
-    assert runner.validate(too_long.spec) == outcomes[0].error
-    assert runner.validate(fine.spec) is None
+# -- what the engine cannot serve alone ---------------------------------------------------------
 
 
-def test_out_of_memory_becomes_batch_out_of_memory(
-    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+def test_seeded_sampling_is_reproducible_beside_other_jobs(harness: Harness) -> None:
+    seeded = {"max_new_tokens": 20, "temperature": 0.9, "seed": 7}
+    others = [harness.submit(p, max_new_tokens=30, temperature=1.0) for p in PROMPTS[:4]]
+    first = harness.run("Hello", **seeded)
+    second = harness.run("Hello", **seeded)
+    other_seed = harness.run("Hello", **{**seeded, "seed": 8})
+    harness.wait(*others)
+    assert first.status == "succeeded", first.error
+    assert first.output == second.output
+    assert first.output != other_seed.output
+    assert all(o.status == "succeeded" for o in harness.wait(*others))
+
+
+def test_unseeded_sampling_runs_on_the_engine(harness: Harness) -> None:
+    outcome = harness.run("Hello", max_new_tokens=20, temperature=0.8, top_p=0.9)
+    assert outcome.status == "succeeded", outcome.error
+    assert outcome.extra["output_tokens"] == 20
+
+
+@pytest.fixture(scope="module")
+def eos_harness(tiny_dir: Path, direct: tuple[Any, Any]) -> Iterator[tuple[Harness, int]]:
+    """A runner whose model also ends sequences at the 6th token it generates for "Hello" (the
+    tiny model never generates its real eos)."""
+    model, tokenizer = direct
+    enc = tokenizer("Hello", return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    fake_eos = int(out[0, -1])
+    own_tokenizer, own_model = load(tiny_dir, CPU, torch.float32)
+    own_model.generation_config.eos_token_id = [tokenizer.eos_token_id, fake_eos]
+    runner = HFRunner(own_tokenizer, own_model, pages=64, page_tokens=16, max_batch_tokens=128)
+    yield Harness(runner), fake_eos
+    runner.close()
+
+
+def _generate_with(model: Any, tokenizer: Any, eos: list[int], **kwargs: Any) -> str:
+    enc = tokenizer("Hello", return_tensors="pt")
+    out = model.generate(**enc, do_sample=False, pad_token_id=0, eos_token_id=eos, **kwargs)
+    new = out[0, enc["input_ids"].shape[1] :].tolist()
+    for i, token in enumerate(new):
+        if token in eos:
+            new = new[:i]
+            break
+    return str(tokenizer.decode(new, skip_special_tokens=True))
+
+
+def test_eos_ends_the_job_with_finish_reason_stop(eos_harness: tuple[Harness, int]) -> None:
+    harness, _ = eos_harness
+    outcome = harness.run("Hello", max_new_tokens=30)
+    assert (outcome.extra["output_tokens"], outcome.extra["finish_reason"]) == (5, "stop")
+
+
+def test_ignore_eos_generates_max_new_tokens(eos_harness: tuple[Harness, int]) -> None:
+    harness, _ = eos_harness
+    outcome = harness.run("Hello", max_new_tokens=30, ignore_eos=True)
+    assert (outcome.extra["output_tokens"], outcome.extra["finish_reason"]) == (30, "length")
+
+
+def test_min_new_tokens_matches_generate(
+    eos_harness: tuple[Harness, int], direct: tuple[Any, Any]
 ) -> None:
-    real = runner._model.generate
-
-    def oom_when_sampling(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("do_sample"):
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner._model, "generate", oom_when_sampling)
-    jobs = [job(PROMPTS[0], max_new_tokens=3), job(PROMPTS[1], max_new_tokens=3, temperature=0.7)]
-    with pytest.raises(BatchOutOfMemory, match="out of device memory") as info:
-        runner.run(jobs)
-    finished, lost = info.value.outcomes
-    assert finished is not None and finished.status == "succeeded"
-    assert lost is None
-    assert info.value.batch_size == 1
+    harness, fake_eos = eos_harness
+    model, tokenizer = direct
+    outcome = harness.run("Hello", max_new_tokens=30, min_new_tokens=12)
+    assert outcome.status == "succeeded", outcome.error
+    assert outcome.extra["output_tokens"] >= 12
+    eos = [tokenizer.eos_token_id, fake_eos]
+    expected = _generate_with(model, tokenizer, eos, max_new_tokens=30, min_new_tokens=12)
+    assert outcome.output == expected
 
 
-def test_other_generate_errors_fail_the_jobs(
-    runner: HFRunner, monkeypatch: pytest.MonkeyPatch
+# -- the engine's loop dying --------------------------------------------------------------------
+
+
+def test_a_request_larger_than_the_cache_kills_the_loop_and_a_new_engine_serves(
+    tiny_dir: Path, direct: tuple[Any, Any]
 ) -> None:
-    def broken(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("kernel exploded")
-
-    monkeypatch.setattr(runner._model, "generate", broken)
-    outcomes = runner.run([job(PROMPTS[0]), job(PROMPTS[1])])
-    assert [o.status for o in outcomes] == ["failed", "failed"]
-    assert "kernel exploded" in (outcomes[0].error or "")
-
-
-def test_missing_directory_is_a_configuration_error(tmp_path: Path) -> None:
-    missing = tmp_path / "nowhere"
-    with pytest.raises(ConfigurationError, match=str(missing)):
-        HFRunner(missing, device="cpu")
-
-
-def test_directory_without_a_model_is_a_configuration_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigurationError, match=r"no config\.json"):
-        HFRunner(tmp_path, device="cpu")
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ConfigurationError, match=str(tmp_path)):
-        HFRunner(tmp_path, device="cpu")
+    """Admission keeps such a job out; here it goes to the runner directly."""
+    runner = make_runner(tiny_dir, pages=4)  # 64 positions
+    harness = Harness(runner)
+    try:
+        [outcome] = harness.wait(harness.submit("Hello " * 150, max_new_tokens=10))
+        assert (outcome.status, outcome.release) == ("failed", True)
+        assert "No requests can be scheduled" in (outcome.error or "")
+        outcome = harness.run("Hello", max_new_tokens=12)
+        assert outcome.status == "succeeded", outcome.error
+        assert outcome.output == generate_directly(*direct, "Hello", 12)
+    finally:
+        runner.close()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"dtype": "float8"}, "unknown dtype"),
-        ({"max_batch": 0}, "max_batch"),
-        ({"device": "nonsense"}, "bad device"),
-    ],
-)
-def test_bad_settings_are_configuration_errors(
-    tiny_dir: Path, kwargs: dict[str, Any], message: str
+def test_a_failing_step_releases_every_job_in_flight(
+    tiny_dir: Path, direct: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(ConfigurationError, match=message):
-        HFRunner(tiny_dir, **kwargs)
+    runner = make_runner(tiny_dir)
+    harness = Harness(runner)
+    model = runner._model
+    real_forward = model.forward
+    fail = threading.Event()
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if fail.is_set():
+            fail.clear()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    try:
+        jobs = [harness.submit(p, max_new_tokens=400, ignore_eos=True) for p in PROMPTS[:3]]
+        poll(lambda: all(j.progress >= 3 for j in jobs))
+        fail.set()
+        for outcome in harness.wait(*jobs):
+            assert (outcome.status, outcome.release) == ("failed", True)
+            assert "out of memory" in (outcome.error or "")
+        outcome = harness.run("Hello", max_new_tokens=12)
+        assert outcome.status == "succeeded", outcome.error
+        assert outcome.output == generate_directly(*direct, "Hello", 12)
+    finally:
+        runner.close()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
-def test_cuda_without_a_gpu_is_a_configuration_error(tiny_dir: Path) -> None:
-    with pytest.raises(ConfigurationError, match="no CUDA"):
-        HFRunner(tiny_dir, device="cuda")
+# -- building a model worker's runner -----------------------------------------------------------
+
+
+def test_build_model_runner_sizes_the_cache_from_the_budget(tiny_dir: Path) -> None:
+    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=64 * 2**20)
+    runner, admission = build_model_runner(opts)
+    try:
+        assert admission.pages_total == runner.cache_pages > 0
+        assert admission.page_tokens == runner.page_tokens
+        spec = JobSpec(prompt="Hello", max_new_tokens=40)
+        assert admission.judge(spec).pages == math.ceil((2 + 40) / runner.page_tokens)
+        page = runner.describe()["cache"]["bytes_per_page"]
+        assert runner.cache_pages * page < 64 * 2**20 - runner.weight_bytes
+    finally:
+        runner.close()
+
+
+def test_build_model_runner_refuses_a_budget_without_room(tiny_dir: Path) -> None:
+    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=2**20)
+    with pytest.raises(ConfigurationError, match="no KV-cache page fits"):
+        build_model_runner(opts)

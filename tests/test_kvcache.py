@@ -1,8 +1,8 @@
-"""The memory estimate and the size syntax used by budgets."""
+"""Cache sizing in pages, the KV byte figures behind it, and the size syntax used by budgets."""
 
 from __future__ import annotations
 
-import math
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +14,13 @@ from workers import kvcache
 from workers.kvcache import (
     InvalidSize,
     activation_bytes,
-    batch_need_bytes,
+    bytes_per_page,
     format_size,
-    job_need_bytes,
     kv_cache_bytes,
     parse_size,
+    read_bytes_per_token,
+    size_cache,
+    step_bytes,
 )
 from zkqueue.errors import ConfigurationError
 
@@ -70,24 +72,67 @@ def test_config_without_layers_is_a_configuration_error() -> None:
         kv_cache_bytes(SimpleNamespace(hidden_size=8, num_attention_heads=2), 1, 2)
 
 
-def test_job_need_is_kv_plus_activations_plus_overhead() -> None:
+def test_a_page_holds_page_tokens_positions_of_every_layer() -> None:
     cfg = llama_7b_like()
-    kv = kv_cache_bytes(cfg, 1000 + 200, 2)
-    act = 1000 * (4 * 4096 + 2 * 14336) * 2 + 2 * 32000 * 4
-    assert activation_bytes(cfg, 1000, 2) == act
-    expected = math.ceil((kv + act) * (1 + kvcache.OVERHEAD_FRACTION))
-    assert job_need_bytes(cfg, 1000, 200, 2) == expected
+    assert bytes_per_page(cfg, 2, 32) == 32 * 131072  # 4 MiB
+    assert bytes_per_page(cfg, 2, 1) == kv_cache_bytes(cfg, 1, 2)
 
 
-def test_batch_pads_to_the_longest_prompt_and_largest_max_new_tokens() -> None:
+def test_the_step_peak_is_the_larger_of_lm_head_and_attention() -> None:
     cfg = llama_7b_like()
-    batch = batch_need_bytes(cfg, [10, 500], [300, 20], 2)
-    per_row = kv_cache_bytes(cfg, 500 + 300, 2) + activation_bytes(cfg, 500, 2)
-    assert batch == math.ceil(2 * per_row * (1 + kvcache.OVERHEAD_FRACTION))
-    assert batch > job_need_bytes(cfg, 10, 300, 2) + job_need_bytes(cfg, 500, 20, 2)
-    assert batch_need_bytes(cfg, [], [], 2) == 0
-    with pytest.raises(ValueError):
-        batch_need_bytes(cfg, [1], [1, 2], 2)
+    lm_head = 4096 * 2 + 32000 * 4
+    attention = 2 * (4096 + 32 * 128 + 2 * 8 * 128 + (2 * 32 + 8) * 128)
+    per_token = max(lm_head, attention) + 7 * 4 + 4 + 32 * 4 + 8 + 8
+    flash = step_bytes(cfg, 2, 256, flash=True)
+    assert flash == pytest.approx(256 * per_token * (1 + kvcache.OVERHEAD_FRACTION), abs=1)
+    # Eager/SDPA add the M x M corner of the attention mask.
+    assert step_bytes(cfg, 2, 256) > flash + 256 * 256 * 2
+
+
+def test_cached_positions_add_their_read_back_and_mask_column() -> None:
+    cfg = llama_7b_like()
+    sdpa = read_bytes_per_token(cfg, 2, 2048)
+    flash = read_bytes_per_token(cfg, 2, 2048, flash=True)
+    assert flash < sdpa
+    assert sdpa >= (2 * 32 + 8) * 128 * 2 + 8 + 2048 * 2
+    cache_tokens = 10_000
+    assert activation_bytes(cfg, 2, 2048, cache_tokens) == step_bytes(cfg, 2, 2048) + (
+        cache_tokens * sdpa
+    )
+
+
+def test_size_cache_fills_the_budget_and_no_more() -> None:
+    cfg = llama_7b_like()
+    free, reserve = 40 * 2**30, 2 * 2**30
+    plan = size_cache(
+        cfg, 2, free_bytes=free, reserve_bytes=reserve, page_tokens=32, max_batch_tokens=2048
+    )
+    assert plan.page_tokens == 32 and plan.bytes_per_page == bytes_per_page(cfg, 2, 32)
+    used = plan.cache_bytes + plan.activation_bytes
+    assert used <= free - reserve
+    # What is left would not pay for the spare pages plus one more.
+    per_page = plan.bytes_per_page + 32 * read_bytes_per_token(cfg, 2, 2048)
+    assert free - reserve - used < (kvcache.SPARE_PAGES + 1) * per_page
+    assert 7000 < plan.pages < 9000  # ~34 GiB of 4 MiB pages, less the step's peak
+
+
+def test_flash_attention_and_a_smaller_step_leave_more_pages() -> None:
+    cfg = llama_7b_like()
+    sized = functools.partial(size_cache, cfg, 2, free_bytes=20 * 2**30, page_tokens=32)
+    sdpa = sized(max_batch_tokens=2048).pages
+    assert sized(max_batch_tokens=2048, flash=True).pages > sdpa
+    assert sized(max_batch_tokens=256).pages > sdpa
+
+
+def test_no_room_means_no_pages() -> None:
+    cfg = llama_7b_like()
+    assert size_cache(cfg, 2, free_bytes=2**30, reserve_bytes=2**31).pages == 0
+    assert size_cache(cfg, 2, free_bytes=10 * 2**20, max_batch_tokens=2048).pages == 0
+
+
+def test_bad_page_shape_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError):
+        size_cache(llama_7b_like(), 2, free_bytes=2**30, page_tokens=0)
 
 
 @pytest.mark.parametrize(

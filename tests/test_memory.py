@@ -1,9 +1,8 @@
-"""Memory probes: the static budget and its ledger for real, the GPU probes where there is a GPU,
-and the CUDA_VISIBLE_DEVICES mapping against a stand-in NVML."""
+"""Memory probes: the static budget and /proc/meminfo for real, the GPU probes where there is a
+GPU, and the CUDA_VISIBLE_DEVICES mapping against a stand-in NVML."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,9 @@ from workers.memory import (
     MeminfoProbe,
     MemorySnapshot,
     StaticBudget,
-    admission_free,
     make_probe,
     parse_meminfo,
+    reusable_free,
     visible_devices,
 )
 from zkqueue.errors import ConfigurationError
@@ -28,70 +27,23 @@ MiB = 2**20
 # -- static budget ------------------------------------------------------------------------------
 
 
-def test_static_budget_counts_weights_and_reservations() -> None:
+def test_static_budget_takes_the_weights_out() -> None:
     budget = StaticBudget(1000 * MiB, 300 * MiB)
     assert budget.snapshot() == MemorySnapshot(
-        total=1000 * MiB, free=700 * MiB, reserved_by_jobs=0, device_free=700 * MiB, source="static"
+        total=1000 * MiB, free=700 * MiB, device_free=700 * MiB, source="static"
     )
-    budget.reserve(200 * MiB)
-    budget.reserve(100 * MiB)
-    snap = budget.snapshot()
-    assert (snap.free, snap.reserved_by_jobs) == (400 * MiB, 300 * MiB)
-    budget.release(200 * MiB)
-    assert budget.snapshot().free == 600 * MiB
-    budget.release(100 * MiB)
-    assert budget.snapshot().free == 700 * MiB
+    budget.close()
 
 
-def test_static_budget_never_reports_negative_free() -> None:
-    budget = StaticBudget(100, 10)
-    budget.reserve(500)
-    assert budget.snapshot().free == 0
-
-
-def test_try_reserve_is_all_or_nothing() -> None:
-    budget = StaticBudget(100, 20)
-    assert budget.try_reserve(50)
-    assert not budget.try_reserve(31)
-    assert budget.try_reserve(30)
-    assert budget.snapshot().free == 0
-
-
-def test_release_more_than_reserved_is_a_bug() -> None:
-    budget = StaticBudget(100)
-    budget.reserve(10)
-    with pytest.raises(ValueError, match="exceeds"):
-        budget.release(11)
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
-def test_reserve_refuses_non_byte_counts(bad: Any) -> None:
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_budget_refuses_non_byte_counts(bad: Any) -> None:
     with pytest.raises(ValueError):
-        StaticBudget(100).reserve(bad)
+        StaticBudget(bad)
 
 
 def test_weights_larger_than_budget_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="do not fit"):
         StaticBudget(100, 101)
-
-
-def test_ledger_is_thread_safe() -> None:
-    budget = StaticBudget(10**12)
-    barrier = threading.Barrier(8)
-
-    def churn() -> None:
-        barrier.wait()
-        for _ in range(2000):
-            budget.reserve(3)
-            budget.release(3)
-        budget.reserve(1)
-
-    threads = [threading.Thread(target=churn) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert budget.snapshot().reserved_by_jobs == 8
 
 
 # -- make_probe and the CPU fallback ------------------------------------------------------------
@@ -110,18 +62,20 @@ def test_cpu_without_budget_reads_meminfo() -> None:
     snap = probe.snapshot()
     assert snap.source == "meminfo"
     assert 0 < snap.free <= snap.total
-    probe.reserve(snap.total)
-    assert probe.snapshot().free == 0
     probe.close()
 
 
-def test_meminfo_probe_subtracts_the_ledger(tmp_path: Path) -> None:
+def test_meminfo_probe_reads_memavailable(tmp_path: Path) -> None:
     path = tmp_path / "meminfo"
     path.write_text("MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    600 kB\n")
-    probe = MeminfoProbe(path)
-    probe.reserve(100 * 1024)
-    snap = probe.snapshot()
-    assert (snap.total, snap.device_free, snap.free) == (1000 * 1024, 600 * 1024, 500 * 1024)
+    snap = MeminfoProbe(path).snapshot()
+    assert (snap.total, snap.device_free, snap.free) == (1000 * 1024, 600 * 1024, 600 * 1024)
+
+
+def test_meminfo_probe_falls_back_to_memfree(tmp_path: Path) -> None:
+    path = tmp_path / "meminfo"
+    path.write_text("MemTotal:       1000 kB\nMemFree:         100 kB\n")
+    assert MeminfoProbe(path).snapshot().free == 100 * 1024
 
 
 def test_parse_meminfo() -> None:
@@ -140,20 +94,16 @@ def test_bad_cuda_device_name() -> None:
         make_probe("cuda:x", None, 0)
 
 
-# -- the admission figure -----------------------------------------------------------------------
+# -- the sizing figure on a GPU -----------------------------------------------------------------
 
 
-def test_admission_free_without_torch_figures_subtracts_the_whole_ledger() -> None:
-    assert admission_free(1000, 300, 50, None, None) == 700
-    assert admission_free(100, 300, 50, None, None) == 0
+def test_reusable_free_without_torch_figures_is_the_device_figure() -> None:
+    assert reusable_free(1000, None, None) == 1000
 
 
-def test_admission_free_counts_reusable_cache_and_unallocated_promises() -> None:
-    # Weights 400; jobs promised 300 and have allocated 100 of it; torch caches 50 unused.
-    allocated, cached = 400 + 100, 400 + 100 + 50
-    assert admission_free(1000, 300, 400, allocated, cached) == 1000 + 50 - 200
-    # Jobs that outgrew their promise leave nothing outstanding.
-    assert admission_free(1000, 100, 400, 400 + 500, 900) == 1000
+def test_reusable_free_adds_what_torch_caches_unused() -> None:
+    assert reusable_free(1000, 400, 450) == 1050
+    assert reusable_free(1000, 450, 400) == 1000
 
 
 # -- CUDA_VISIBLE_DEVICES mapping ---------------------------------------------------------------
@@ -262,8 +212,7 @@ def test_nvml_probe_reads_the_device() -> None:
         snap = probe.snapshot()
         assert snap.source == "nvml"
         assert 0 < snap.free <= snap.total
-        probe.reserve(snap.free)
-        assert probe.snapshot().free < snap.free
+        assert snap.device_free is not None
     finally:
         probe.close()
 

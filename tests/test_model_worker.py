@@ -1,27 +1,28 @@
-"""The model worker end to end: a real tiny transformers model on the CPU behind the queue."""
+"""The model worker end to end: a real tiny transformers model on the CPU behind the queue, served
+by continuous batching, admitted by KV-cache pages."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
 
 from tests.conftest import wait_for
 from tests.runners import generate_directly
-from workers.daemon import memory_admission
-from workers.runners.base import Outcome, OutOfMemory, RunningJob
+from workers.admission import Admission
+from workers.model import load
+from workers.runners.base import Outcome, RunningJob
 from workers.runners.echo import EchoRunner
 from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model
 from zkqueue import Client
 from zkqueue.errors import ExitCode
-from zkqueue.spec import JobSpec
 
 PROMPTS = ["Hello", "The head of the line claims", "A", "GPU memory is the limit, " * 3]
+PAGE = 16
 
 
 @pytest.fixture(scope="module")
@@ -30,139 +31,154 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_dir: Path) -> Iterator[HFRunner]:
-    hf = HFRunner(tiny_dir, device="cpu", dtype="float32", max_batch=8)
-    yield hf
-    hf.close()
+def loaded(tiny_dir: Path) -> tuple[Any, Any]:
+    return load(tiny_dir, torch.device("cpu"), torch.float32)
 
 
-def direct_greedy(tiny_dir: Path, prompt: str, max_new_tokens: int) -> str:
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
-    return generate_directly(model, tok, prompt, max_new_tokens)
+@pytest.fixture
+def model_worker(
+    loaded: tuple[Any, Any], start_worker
+) -> Iterator[Callable[..., tuple[Any, HFRunner]]]:
+    """Start a worker on a fresh runner over the loaded tiny model, with a cache of ``pages``
+    pages of 16 tokens (always explicit) and admission in those pages."""
+    runners: list[HFRunner] = []
+
+    def start(pages: int = 256, slots: int = 8, **kwargs: Any) -> tuple[Any, HFRunner]:
+        tokenizer, model = loaded
+        runner = HFRunner(tokenizer, model, pages=pages, page_tokens=PAGE, max_requests=slots)
+        runners.append(runner)
+        admission = Admission(
+            pages,
+            PAGE,
+            count_tokens=runner.count_tokens,
+            validate=runner.validate,
+            pages_in_use=runner.pages_in_use,
+        )
+        return start_worker(runner, slots=slots, admission=admission, **kwargs), runner
+
+    yield start
+    for runner in runners:
+        runner.close()
 
 
-class BatchLog:
-    """Wraps a runner and records the size of every batch it was handed."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.sizes: list[int] = []
-
-    def describe(self) -> dict[str, Any]:
-        return dict(self.inner.describe())
-
-    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-        self.sizes.append(len(jobs))
-        return list(self.inner.run(jobs))
-
-    def close(self) -> None:
-        pass
+def direct(loaded: tuple[Any, Any], prompt: str, max_new_tokens: int) -> str:
+    tokenizer, model = loaded
+    return generate_directly(model, tokenizer, prompt, max_new_tokens)
 
 
-def test_queue_output_equals_direct_generate(client: Client, start_worker, runner, tiny_dir):
-    start_worker(runner, slots=1)
+def test_queue_output_equals_direct_generate(client: Client, model_worker, loaded) -> None:
+    model_worker(slots=1)
     for prompt in PROMPTS[:2]:
         record = client.submit(prompt, max_new_tokens=12).result(timeout=60)
         assert record.ok, record.error
-        assert record.output == direct_greedy(tiny_dir, prompt, 12)
+        assert record.output == direct(loaded, prompt, 12)
         assert record["prompt_tokens"] > 0 and 0 < record["output_tokens"] <= 12
         assert record["ttft_s"] is not None and record["total_s"] >= record["ttft_s"]
+        assert record["finish_reason"] in ("stop", "length")
 
 
-def test_batched_through_the_queue_equals_one_by_one(client: Client, start_worker, runner):
+def test_jobs_batched_together_equal_each_run_alone(client: Client, model_worker, loaded) -> None:
     lengths = [5, 9, 3, 12]
-    alone = [
+    jobs = [
         client.submit(p, max_new_tokens=n, detach=True)
         for p, n in zip(PROMPTS, lengths, strict=True)
     ]
-    solo = start_worker(BatchLog(runner), slots=1)
-    alone_out = [j.result(timeout=60).output for j in alone]
-    solo.stop()
-    together = [
-        client.submit(p, max_new_tokens=n, detach=True)
-        for p, n in zip(PROMPTS, lengths, strict=True)
-    ]
-    log = BatchLog(runner)
-    start_worker(log, slots=8)
-    assert [j.result(timeout=60).output for j in together] == alone_out
-    assert log.sizes == [4]
+    handle, _ = model_worker(slots=8)
+    outputs = [j.result(timeout=60).output for j in jobs]
+    assert outputs == [direct(loaded, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+    assert handle.worker.stats.claimed == 4
 
 
-def test_static_budget_admits_one_at_a_time_and_rejects_what_never_fits(
-    client: Client, start_worker, runner
-):
-    small = JobSpec(prompt="Hello", max_new_tokens=16)
-    need = runner.need_bytes(small)
-    admission, probe = memory_admission(runner, runner.weight_bytes + need + need // 2, 0)
-    log = BatchLog(runner)
-    handle = start_worker(log, slots=4, admission=admission, memory=probe)
+def test_a_short_job_ends_while_a_long_one_runs(client: Client, model_worker) -> None:
+    """Continuous batching: the short job joins the running batch and its result is written as
+    soon as it ends, long before the long job's."""
+    long = client.submit("Hello", max_new_tokens=300, ignore_eos=True, detach=True)
+    short = client.submit("Hi", max_new_tokens=4, ignore_eos=True, detach=True)
+    model_worker(slots=8)
+    first, second = long.result(timeout=120), short.result(timeout=120)
+    assert first.ok and second.ok and second["output_tokens"] == 4
+    assert second.finished_at is not None and first.finished_at is not None
+    assert second.finished_at < first.finished_at
+
+
+def test_pages_admit_what_fits_and_reject_what_never_fits(client: Client, model_worker) -> None:
+    """A cache of 4 pages of 16 tokens: a job of ~40 positions takes 3 pages, so two never run
+    at once; a job of 400 positions can never fit any worker of the queue: rejected."""
+    handle, runner = model_worker(pages=4, slots=4)
     wait_for(lambda: client.workers() and client.workers()[0]["memory"], message="registered")
-    memory = client.workers()[0]["memory"]
-    assert memory["capacity"] == need + need // 2 and memory["source"] == "static"
+    cache = client.workers()[0]["memory"]
+    assert (cache["pages_total"], cache["page_tokens"], cache["capacity_tokens"]) == (4, 16, 64)
 
-    too_big = client.submit("Hello", max_new_tokens=400, detach=True)
-    record = too_big.result(timeout=30)
-    assert record.status == "rejected"
-    assert "the largest worker of queue 'default' can hold" in (record.error or "")
-    assert f"({need + need // 2} bytes)" in (record.error or "")
+    too_big = client.submit("Hello", max_new_tokens=400, detach=True).result(timeout=30)
+    assert too_big.status == "rejected"
+    assert "KV-cache pages" in (too_big.error or "") and "holds 64 tokens" in (too_big.error or "")
 
-    jobs = [client.submit("Hello", max_new_tokens=16, detach=True) for _ in range(3)]
+    seen: list[int] = []
+    real = runner.submit
+
+    def spy(job: RunningJob) -> None:
+        seen.append(handle.worker.admission.promised)
+        real(job)
+
+    runner.submit = spy  # type: ignore[method-assign]
+    jobs = [
+        client.submit("Hello", max_new_tokens=36, ignore_eos=True, detach=True) for _ in range(3)
+    ]
     assert all(j.result(timeout=60).ok for j in jobs)
-    assert log.sizes == [1, 1, 1]  # each fits alone, never two at once
+    assert seen == [3, 3, 3]  # each job alone: its own 3 pages, never 6
+    wait_for(lambda: handle.worker.admission.promised == 0, message="pages given back")
     assert handle.worker.stats.rejected == 1
 
 
-def test_prompt_longer_than_the_context_is_rejected(client: Client, start_worker, runner):
-    admission, probe = memory_admission(runner, None, 0)
-    start_worker(runner, admission=admission, memory=probe)
+def test_prompt_longer_than_the_context_is_rejected(client: Client, model_worker) -> None:
+    model_worker()
     record = client.submit("word " * 600, max_new_tokens=8).result(timeout=30)
     assert record.status == "rejected"
     assert "context" in (record.error or "")
 
 
-class FlakyMemoryRunner(EchoRunner):
-    """Runs out of memory on any batch larger than one job."""
+class EngineFailsOnce(EchoRunner):
+    """Reports its first job as given back by a failed engine (as the HF runner does when its
+    generation loop dies), then echoes."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.sizes: list[int] = []
+        self.failed: list[str] = []
 
-    def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-        self.sizes.append(len(jobs))
-        if len(jobs) > 1:
-            raise OutOfMemory("CUDA out of memory (simulated)", [None] * len(jobs), len(jobs))
-        return super().run(jobs)
+    def run_one(self, job: RunningJob) -> Outcome:
+        if not self.failed:
+            self.failed.append(job.id)
+            return Outcome("failed", error="engine loop died (simulated)", release=True)
+        return super().run_one(job)
 
 
-def test_out_of_memory_fails_only_the_batch_and_retries_smaller(client: Client, start_worker):
-    jobs = [client.submit(f"j{i}", detach=True) for i in range(4)]
-    flaky = FlakyMemoryRunner()
-    handle = start_worker(flaky, slots=4, max_attempts=5)
-    records = [j.result(timeout=30) for j in jobs]
-    assert [r.status for r in records] == ["succeeded"] * 4
-    assert [r.output for r in records] == ["j0", "j1", "j2", "j3"]
-    assert flaky.sizes[:2] == [4, 2]
-    assert handle.worker.stats.out_of_memory >= 2
+def test_a_dead_engine_gives_its_jobs_back_to_the_queue(client: Client, start_worker) -> None:
+    runner = EngineFailsOnce()
+    handle = start_worker(runner, slots=2)
+    record = client.submit("try again").result(timeout=30)
+    assert record.ok and record.attempts == 2 and runner.failed == [record.id]
+    assert handle.worker.stats.out_of_memory == 1
     assert handle.thread.is_alive()
 
 
-def test_cancel_stops_generation(client: Client, start_worker, runner):
-    handle = start_worker(runner, slots=1)
-    job = client.submit("Hello", max_new_tokens=400, detach=True)
+def test_cancel_stops_generation_and_frees_its_pages(client: Client, model_worker) -> None:
+    handle, _ = model_worker(slots=1)
+    job = client.submit("Hello", max_new_tokens=400, ignore_eos=True, detach=True)
     wait_for(lambda: handle.worker.busy == 1, timeout=30, message="generating")
+    assert handle.worker.admission.promised > 0
     assert job.cancel()
     wait_for(lambda: handle.worker.busy == 0, timeout=30, message="generation stopped")
+    assert handle.worker.admission.promised == 0
     assert client.job(job.id).result(timeout=1).status == "cancelled"
     assert handle.worker.stats.completed == 0
 
 
-def test_max_runtime_gives_timeout_with_partial_output(client: Client, start_worker, runner):
-    start_worker(runner, slots=1)
-    record = client.submit("Hello", max_new_tokens=400, max_runtime=0.05).result(timeout=60)
+def test_max_runtime_gives_timeout_with_partial_output(client: Client, model_worker) -> None:
+    model_worker(slots=1)
+    spec = {"max_new_tokens": 400, "ignore_eos": True, "max_runtime": 0.2}
+    record = client.submit("Hello", **spec).result(timeout=60)
     assert record.status == "timeout"
-    assert "max_runtime" in (record.error or "") or "0.05" in (record.error or "")
+    assert "max_runtime" in (record.error or "")
     assert record["output_tokens"] < 400
 
 
@@ -181,22 +197,8 @@ def test_tiny_model_command_and_model_worker_cli(zkq, spawn_worker, client: Clie
     info = client.workers()[0]
     assert info["runner_info"]["dtype"] == "float32"
     assert info["runner_info"]["weight_bytes"] > 0
-    assert info["memory"]["total"] == 64 * 2**20
+    assert info["memory"]["pages_total"] > 0 and info["memory"]["page_tokens"] > 0
     out = zkq("submit", "--json", "--max-new-tokens", "4", "Hello")
     assert out.returncode == 0, out.stderr
     assert '"status": "succeeded"' in out.stdout
-    text = zkq("workers").stdout
-    assert "mem free" in text
-
-
-def test_generation_runs_off_the_zookeeper_threads(client: Client, start_worker, runner):
-    threads: list[str] = []
-
-    class Spy(BatchLog):
-        def run(self, jobs: list[RunningJob]) -> list[Outcome]:
-            threads.append(threading.current_thread().name)
-            return super().run(jobs)
-
-    start_worker(Spy(runner))
-    assert client.submit("Hello", max_new_tokens=2).result(timeout=60).ok
-    assert threads and all(t.startswith("zkq-run") for t in threads)
+    assert "kv pages" in zkq("workers").stdout

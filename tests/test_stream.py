@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from workers.model import load
 from workers.runners.echo import EchoRunner
 from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model
@@ -40,10 +43,13 @@ def test_stream_timeout_withdraws_the_request(client: Client) -> None:
     assert client.list() == []
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> HFRunner:
+@pytest.fixture
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HFRunner]:
     path: Path = write_tiny_model(tmp_path_factory.mktemp("tiny"))
-    return HFRunner(path, device="cpu", dtype="float32")
+    tokenizer, model = load(path, torch.device("cpu"), torch.float32)
+    runner = HFRunner(tokenizer, model, pages=64, page_tokens=16)
+    yield runner
+    runner.close()
 
 
 def test_model_stream_matches_the_final_output(

@@ -42,6 +42,11 @@ from zkqueue.cli.common import SIZE, connection_settings, handles_errors
     "--max-runtime", type=float, default=None, help="Default max runtime per job, seconds."
 )
 @click.option(
+    "--greedy-only",
+    is_flag=True,
+    help="A greedy-only engine: faster steps; sampled jobs then run one at a time.",
+)
+@click.option(
     "--slow-after", type=float, default=30.0, show_default=True, help="Log jobs slower than this."
 )
 @click.option(

@@ -1,27 +1,24 @@
-"""Memory probes: how many bytes a worker may still promise to new jobs, behind one interface.
+"""Memory probes: how many bytes are free for the KV cache, behind one interface.
 
-Every probe keeps a ledger of what the worker has promised to running jobs (``reserve`` when a job
-is admitted, ``release`` when it ends), because a job's KV cache grows while it runs: the device's
-free memory right after admission does not yet show what the job will take. ``snapshot().free`` is
-the admission figure, already net of those promises:
+The worker reads a probe once, after the model is loaded, to size its KV cache in pages
+(``workers.kvcache.size_cache``); admission then counts pages, not bytes. It reads it again only
+for the figures its registration shows. ``snapshot().free`` is the sizing figure:
 
-* ``StaticBudget``: ``total - weights - reserved``; the device is never asked (tests, CPU, or a
-  GPU shared under an agreed budget).
-* ``TorchProbe``/``NvmlProbe``: the device's free bytes, plus the bytes torch's caching allocator
-  holds but does not use (this process can reuse them), minus the part of the promises that running
-  jobs have not allocated yet (``reserved - (torch allocated - weights)``, at least 0). Without
-  torch's figures (CUDA not initialised in this process) the whole ledger is subtracted.
-* ``MeminfoProbe`` (CPU without a budget): ``MemAvailable`` from /proc/meminfo minus the ledger.
+* ``StaticBudget``: ``total - weights``; the device is never asked (tests, CPU, or a GPU shared
+  under an agreed budget).
+* ``TorchProbe``/``NvmlProbe``: the device's free bytes plus the bytes torch's caching allocator
+  holds without using them (this process can reuse them). The weights are already out: they are
+  allocated.
+* ``MeminfoProbe`` (CPU without a budget): ``MemAvailable`` from /proc/meminfo.
 
 Choose one with ``make_probe``. Create GPU probes after the model is loaded, in the process that
-runs it, so torch's figures describe the same allocations as the ledger.
+runs it, so torch's figures describe this process's allocations.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,13 +32,11 @@ MEMINFO = Path("/proc/meminfo")
 
 @dataclass(frozen=True)
 class MemorySnapshot:
-    """One reading, all in bytes. ``free`` is what new jobs may still be promised."""
+    """One reading, all in bytes. ``free`` is what the KV cache may take."""
 
     total: int
     free: int
-    #: Sum of the bytes promised to running jobs (the probe's ledger).
-    reserved_by_jobs: int = 0
-    #: What the device says is free, before the ledger is taken into account.
+    #: What the device itself says is free (before torch's reusable cache is added).
     device_free: int | None = None
     #: Device memory this process uses, where the probe can tell (NVML).
     used_by_process: int | None = None
@@ -52,18 +47,10 @@ class MemorySnapshot:
 
 
 class MemoryProbe(Protocol):
-    """What the worker's admission check asks."""
+    """What the worker asks to size its cache and to show its memory."""
 
     def snapshot(self) -> MemorySnapshot:
         """Read the memory figures now."""
-        ...
-
-    def reserve(self, n: int) -> None:
-        """Record that a running job was promised ``n`` bytes."""
-        ...
-
-    def release(self, n: int) -> None:
-        """Record that a job holding a promise of ``n`` bytes has ended."""
         ...
 
     def close(self) -> None:
@@ -71,39 +58,10 @@ class MemoryProbe(Protocol):
         ...
 
 
-class _Ledger:
-    """Thread-safe sum of the bytes promised to running jobs."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reserved = 0
-
-    @property
-    def reserved(self) -> int:
-        with self._lock:
-            return self._reserved
-
-    def reserve(self, n: int) -> None:
-        _check_bytes(n)
-        with self._lock:
-            self._reserved += n
-
-    def release(self, n: int) -> None:
-        _check_bytes(n)
-        with self._lock:
-            if n > self._reserved:
-                raise ValueError(f"release of {n} bytes exceeds the {self._reserved} reserved")
-            self._reserved -= n
-
-    def close(self) -> None:
-        """Nothing to free; real probes override this."""
-
-
-class StaticBudget(_Ledger):
+class StaticBudget:
     """Behave as if the device had ``total_bytes``, of which the weights take ``weights_bytes``."""
 
     def __init__(self, total_bytes: int, weights_bytes: int = 0) -> None:
-        super().__init__()
         _check_bytes(total_bytes)
         _check_bytes(weights_bytes)
         if weights_bytes > total_bytes:
@@ -114,56 +72,41 @@ class StaticBudget(_Ledger):
         self.total_bytes = total_bytes
         self.weights_bytes = weights_bytes
 
-    def try_reserve(self, n: int) -> bool:
-        """Reserve ``n`` bytes only if they fit, atomically; say whether they did."""
-        _check_bytes(n)
-        with self._lock:
-            if n > self.total_bytes - self.weights_bytes - self._reserved:
-                return False
-            self._reserved += n
-            return True
-
     def snapshot(self) -> MemorySnapshot:
-        reserved = self.reserved
-        free = max(0, self.total_bytes - self.weights_bytes - reserved)
-        return MemorySnapshot(
-            total=self.total_bytes,
-            free=free,
-            reserved_by_jobs=reserved,
-            device_free=free,
-            source="static",
-        )
+        free = self.total_bytes - self.weights_bytes
+        return MemorySnapshot(total=self.total_bytes, free=free, device_free=free, source="static")
+
+    def close(self) -> None:
+        """Nothing to free."""
 
 
-class TorchProbe(_Ledger):
+class TorchProbe:
     """Read a CUDA device through torch (``mem_get_info`` and the caching allocator's figures)."""
 
-    def __init__(self, device: str = "cuda", weights_bytes: int = 0) -> None:
-        super().__init__()
+    def __init__(self, device: str = "cuda") -> None:
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigurationError(f"torch sees no CUDA device, so {device!r} cannot be probed")
         self._torch = torch
         self.device = torch.device(device)
-        self.weights_bytes = weights_bytes
 
     def snapshot(self) -> MemorySnapshot:
         device_free, total = self._torch.cuda.mem_get_info(self.device)
         allocated, cached = _torch_figures(self.device)
-        reserved = self.reserved
-        free = admission_free(device_free, reserved, self.weights_bytes, allocated, cached)
         return MemorySnapshot(
             total=int(total),
-            free=free,
-            reserved_by_jobs=reserved,
+            free=reusable_free(int(device_free), allocated, cached),
             device_free=int(device_free),
             reserved_by_torch=cached,
             source="torch",
         )
 
+    def close(self) -> None:
+        """Nothing to free."""
 
-class NvmlProbe(_Ledger):
+
+class NvmlProbe:
     """Read a GPU through NVML; ``device_index`` is the CUDA index this process sees.
 
     The index is mapped to the physical device through CUDA_VISIBLE_DEVICES (indices or GPU-/MIG-
@@ -172,8 +115,7 @@ class NvmlProbe(_Ledger):
     already initialised in this process, in which case torch's device UUID is used.
     """
 
-    def __init__(self, device_index: int = 0, weights_bytes: int = 0) -> None:
-        super().__init__()
+    def __init__(self, device_index: int = 0) -> None:
         import pynvml
 
         self._nvml = pynvml
@@ -184,18 +126,14 @@ class NvmlProbe(_Ledger):
             pynvml.nvmlShutdown()
             raise
         self.device_index = device_index
-        self.weights_bytes = weights_bytes
         self._closed = False
 
     def snapshot(self) -> MemorySnapshot:
         info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
         allocated, cached = _torch_figures(_torch_device(self.device_index))
-        reserved = self.reserved
-        free = admission_free(int(info.free), reserved, self.weights_bytes, allocated, cached)
         return MemorySnapshot(
             total=int(info.total),
-            free=free,
-            reserved_by_jobs=reserved,
+            free=reusable_free(int(info.free), allocated, cached),
             device_free=int(info.free),
             used_by_process=self._process_bytes(),
             reserved_by_torch=cached,
@@ -219,24 +157,19 @@ class NvmlProbe(_Ledger):
         return None
 
 
-class MeminfoProbe(_Ledger):
+class MeminfoProbe:
     """Host memory from /proc/meminfo, so CPU workers without a budget still admit by memory."""
 
     def __init__(self, path: Path = MEMINFO) -> None:
-        super().__init__()
         self.path = path
         self._read()  # fail now, not at the first admission, if the file is missing
 
     def snapshot(self) -> MemorySnapshot:
         total, available = self._read()
-        reserved = self.reserved
-        return MemorySnapshot(
-            total=total,
-            free=max(0, available - reserved),
-            reserved_by_jobs=reserved,
-            device_free=available,
-            source="meminfo",
-        )
+        return MemorySnapshot(total=total, free=available, device_free=available, source="meminfo")
+
+    def close(self) -> None:
+        """Nothing to free."""
 
     def _read(self) -> tuple[int, int]:
         fields = parse_meminfo(self.path.read_text())
@@ -244,28 +177,24 @@ class MeminfoProbe(_Ledger):
         return total, fields.get("MemAvailable", fields.get("MemFree", total))
 
 
-def make_probe(device: str, budget: int | None, weights_bytes: int) -> MemoryProbe:
-    """Pick the probe for ``device``: the static budget if one is given, else NVML, else torch for
-    CUDA devices, else /proc/meminfo."""
+def make_probe(device: str, budget: int | None, weights_bytes: int = 0) -> MemoryProbe:
+    """Pick the probe for ``device``: the static budget (of which the weights take
+    ``weights_bytes``) if one is given, else NVML, else torch for CUDA devices, else
+    /proc/meminfo."""
     if budget is not None:
         return StaticBudget(budget, weights_bytes)
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
     if _is_cuda(device):
-        return _gpu_probe(device, weights_bytes)
+        return _gpu_probe(device)
     return MeminfoProbe()
 
 
-def admission_free(
-    device_free: int, reserved: int, weights_bytes: int, allocated: int | None, cached: int | None
-) -> int:
-    """Bytes new jobs may be promised, from the device's free bytes and the ledger."""
+def reusable_free(device_free: int, allocated: int | None, cached: int | None) -> int:
+    """The device's free bytes plus what torch's caching allocator holds without using."""
     if allocated is None or cached is None:
-        return max(0, device_free - reserved)
-    reusable = max(0, cached - allocated)
-    jobs_allocated = max(0, allocated - weights_bytes)
-    outstanding = max(0, reserved - jobs_allocated)
-    return max(0, device_free + reusable - outstanding)
+        return device_free
+    return device_free + max(0, cached - allocated)
 
 
 def parse_meminfo(text: str) -> dict[str, int]:
@@ -364,13 +293,13 @@ def _torch_device(device_index: int) -> Any:
         return None
 
 
-def _gpu_probe(device: str, weights_bytes: int) -> MemoryProbe:
+def _gpu_probe(device: str) -> MemoryProbe:
     index = _cuda_index(device)
     try:
-        return NvmlProbe(index, weights_bytes)
+        return NvmlProbe(index)
     except Exception as exc:  # no pynvml, no driver library, no such device...
         log.info("NVML probe unavailable for %s (%s); using torch", device, exc)
-    return TorchProbe(f"cuda:{index}", weights_bytes)
+    return TorchProbe(f"cuda:{index}")
 
 
 def _cuda_available() -> bool:

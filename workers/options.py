@@ -44,6 +44,9 @@ class WorkerOptions:
     #: Default max_runtime for jobs that set none (seconds).
     max_runtime: float | None = None
     slow_after: float = 30.0
+    #: A greedy-only engine: faster decoding steps (no per-step sampling work), but sampled jobs
+    #: then run one at a time outside the batch. Off: greedy and sampled jobs share the batch.
+    greedy_only: bool = False
 
     # -- what the daemon adds -----------------------------------------------------------------
     #: Take part in the janitor's election (one active janitor per cluster).
