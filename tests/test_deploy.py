@@ -86,7 +86,7 @@ def test_gpu_check_logic_on_a_small_cpu_configuration() -> None:
         timeout=240,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "6/6 jobs succeeded, out-of-memory batches: 0" in out.stdout
+    assert "6/6 jobs succeeded, out-of-memory: 0" in out.stdout
 
 
 def test_gateway_unit_and_example_config() -> None:

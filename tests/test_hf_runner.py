@@ -4,7 +4,6 @@ CPU in float32. A small harness starts the runner and collects each job's one ou
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,12 +14,10 @@ import pytest
 import torch
 
 from tests.runners import generate_directly
-from workers.model import build_model_runner, load
-from workers.options import WorkerOptions
+from workers.model import load
 from workers.runners.base import CancelReason, Outcome, RunningJob
 from workers.runners.hf import HFRunner
 from workers.tinymodel import CONTEXT_LENGTH, write_tiny_model
-from zkqueue.errors import ConfigurationError
 from zkqueue.spec import JobSpec, render_plain
 
 CPU = torch.device("cpu")
@@ -391,26 +388,3 @@ def test_a_failing_step_releases_every_job_in_flight(
         assert outcome.output == generate_directly(*direct, "Hello", 12)
     finally:
         runner.close()
-
-
-# -- building a model worker's runner -----------------------------------------------------------
-
-
-def test_build_model_runner_sizes_the_cache_from_the_budget(tiny_dir: Path) -> None:
-    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=64 * 2**20)
-    runner, admission = build_model_runner(opts)
-    try:
-        assert admission.pages_total == runner.cache_pages > 0
-        assert admission.page_tokens == runner.page_tokens
-        spec = JobSpec(prompt="Hello", max_new_tokens=40)
-        assert admission.judge(spec).pages == math.ceil((2 + 40) / runner.page_tokens)
-        page = runner.describe()["cache"]["bytes_per_page"]
-        assert runner.cache_pages * page < 64 * 2**20 - runner.weight_bytes
-    finally:
-        runner.close()
-
-
-def test_build_model_runner_refuses_a_budget_without_room(tiny_dir: Path) -> None:
-    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=2**20)
-    with pytest.raises(ConfigurationError, match="no KV-cache page fits"):
-        build_model_runner(opts)

@@ -3,6 +3,7 @@ by continuous batching, admitted by KV-cache pages."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,15 @@ import torch
 from tests.conftest import wait_for
 from tests.runners import generate_directly
 from workers.admission import Admission
-from workers.model import load
+from workers.model import build_model_runner, load
+from workers.options import WorkerOptions
 from workers.runners.base import Outcome, RunningJob
 from workers.runners.echo import EchoRunner
 from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model
 from zkqueue import Client
-from zkqueue.errors import ExitCode
+from zkqueue.errors import ConfigurationError, ExitCode
+from zkqueue.spec import JobSpec
 
 PROMPTS = ["Hello", "The head of the line claims", "A", "GPU memory is the limit, " * 3]
 PAGE = 16
@@ -202,3 +205,26 @@ def test_tiny_model_command_and_model_worker_cli(zkq, spawn_worker, client: Clie
     assert out.returncode == 0, out.stderr
     assert '"status": "succeeded"' in out.stdout
     assert "kv pages" in zkq("workers").stdout
+
+
+# -- building a model worker's runner -----------------------------------------------------------
+
+
+def test_build_model_runner_sizes_the_cache_from_the_budget(tiny_dir: Path) -> None:
+    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=64 * 2**20)
+    runner, admission = build_model_runner(opts)
+    try:
+        assert admission.pages_total == runner.cache_pages > 0
+        assert admission.page_tokens == runner.page_tokens
+        spec = JobSpec(prompt="Hello", max_new_tokens=40)
+        assert admission.judge(spec).pages == math.ceil((2 + 40) / runner.page_tokens)
+        page = runner.describe()["cache"]["bytes_per_page"]
+        assert runner.cache_pages * page < 64 * 2**20 - runner.weight_bytes
+    finally:
+        runner.close()
+
+
+def test_build_model_runner_refuses_a_budget_without_room(tiny_dir: Path) -> None:
+    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=2**20)
+    with pytest.raises(ConfigurationError, match="no KV-cache page fits"):
+        build_model_runner(opts)
