@@ -201,6 +201,8 @@ def test_tiny_model_command_and_model_worker_cli(zkq, spawn_worker, client: Clie
     assert info["runner_info"]["dtype"] == "float32"
     assert info["runner_info"]["weight_bytes"] > 0
     assert info["memory"]["pages_total"] > 0 and info["memory"]["page_tokens"] > 0
+    # No --max-concurrency: as many jobs as the cache admits (a page each at least), <= 256.
+    assert info["slots_max"] == min(info["memory"]["pages_total"], 256) > 1
     out = zkq("submit", "--json", "--max-new-tokens", "4", "Hello")
     assert out.returncode == 0, out.stderr
     assert '"status": "succeeded"' in out.stdout

@@ -59,9 +59,9 @@ from zkqueue.cli.common import SIZE, connection_settings, handles_errors
 @click.option(
     "--max-concurrency",
     type=int,
-    default=defaults.WORKER_SLOTS,
-    show_default=True,
-    help="Slots: jobs this worker runs at once.",
+    default=None,
+    help="Slots: jobs this worker holds at once [default: 1 for echo; for a model, what its "
+    "KV cache admits, at most 256].",
 )
 @click.option("--name", default=None, help="Worker id (default host-pid-random).")
 @click.option("--max-jobs", type=int, default=None, help="Exit after claiming N jobs.")

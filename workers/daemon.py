@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from workers.admission import Admission
 from workers.loop import Worker
 from workers.metrics import WorkerMetrics
-from workers.options import WorkerOptions, default_worker_id
+from workers.options import WorkerOptions, default_worker_id, slots_for
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
@@ -35,7 +35,7 @@ log = logging.getLogger("zkq.daemon")
 def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
     """The runner and its admission rule. A model is loaded here (and its cache sized), so a
     model that fails to load is an error before the worker registers."""
-    if opts.max_concurrency < 1:
+    if opts.max_concurrency is not None and opts.max_concurrency < 1:
         raise ConfigurationError("--max-concurrency must be at least 1")
     if opts.model is None and opts.runner == "echo":
         return EchoRunner(delay=opts.echo_delay), Admission()
@@ -49,6 +49,7 @@ def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
 def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
     """Run until stopped; returns the process exit code."""
     runner, admission = build_runner(opts)  # a bad model fails before registering
+    opts = replace(opts, max_concurrency=slots_for(opts, admission.pages_total))
     try:
         zk = connect(settings)
         try:

@@ -30,7 +30,7 @@ from workers.events import WATCHES, Event, State
 from workers.head import HeadTurn
 from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
-from workers.options import WorkerOptions, default_worker_id
+from workers.options import WorkerOptions, default_worker_id, slots_for
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from zkqueue.claims import Claims
 from zkqueue.connection import TRANSIENT
@@ -79,9 +79,9 @@ class Worker:
         self.runner = runner
         self.queue = check_queue(opts.queue)
         self.layout = Layout(opts.root)
-        self.slots = opts.max_concurrency
-        self.id = opts.name or default_worker_id()
         self.admission = admission or Admission()
+        self.slots = slots_for(opts, self.admission.pages_total)
+        self.id = opts.name or default_worker_id()
         #: Prometheus metrics (served by the daemon's --metrics-port).
         self.metrics = metrics or WorkerMetrics()
         self.on_heartbeat = on_heartbeat

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from zkqueue import defaults
 
+#: The most jobs a model worker holds when --max-concurrency is not given.
+MODEL_SLOTS = 256
+
 
 @dataclass
 class WorkerOptions:
@@ -17,9 +20,10 @@ class WorkerOptions:
 
     queue: str = defaults.QUEUE
     root: str = defaults.ROOT
-    #: Jobs this worker runs at once. For a model worker: at most this many in flight (memory
-    #: admission may allow fewer).
-    max_concurrency: int = defaults.WORKER_SLOTS
+    #: Jobs this worker holds at once. None: one for the echo runner; for a model worker, what
+    #: its KV cache admits (every job takes a page at least), at most ``MODEL_SLOTS``. Memory
+    #: admission may allow fewer.
+    max_concurrency: int | None = None
     name: str | None = None
     #: Exit after claiming this many jobs.
     max_jobs: int | None = None
@@ -60,3 +64,13 @@ class WorkerOptions:
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def slots_for(opts: WorkerOptions, pages_total: int | None) -> int:
+    """The worker's slots: --max-concurrency, else one for a worker without a cache, else what
+    the cache admits (a page per job at least), at most MODEL_SLOTS."""
+    if opts.max_concurrency is not None:
+        return opts.max_concurrency
+    if pages_total is None:
+        return defaults.WORKER_SLOTS
+    return max(1, min(pages_total, MODEL_SLOTS))
