@@ -3,7 +3,9 @@ job set has fired or was never set (ZooKeeper's own count, ``wchc``, per session
 
 from __future__ import annotations
 
-from zkqueue import Client
+import asyncio
+
+from zkqueue import AsyncClient, Client
 from zkqueue.testing import ZkCluster, four_letter
 
 
@@ -40,3 +42,19 @@ def test_detached_results_read_once_leave_at_most_their_own_watch(
     # A detached result is kept (retention): the watch that saw it appear has fired, and the
     # data watch of the final read is on a node that exists; none waits on a missing node.
     assert watches_of(zk_cluster, client.zk.client_id[0]) <= len(jobs)
+
+
+def test_async_client_attached_jobs_leave_no_watches_behind(
+    zk_cluster: ZkCluster, hosts: str, root: str, start_worker
+) -> None:
+    start_worker()
+
+    async def run() -> int:
+        async with AsyncClient(hosts, root) as client:
+            for i in range(40):
+                job = await client.submit(f"job {i}")
+                assert (await job.result(timeout=10)).ok
+            await asyncio.to_thread(client.zk.sync, "/")
+            return watches_of(zk_cluster, client.zk.client_id[0])
+
+    assert asyncio.run(run()) <= 2

@@ -173,8 +173,10 @@ class AsyncJob:
         ``with_claim``, not running; else (record or None, partial output or None)."""
         zk, client, watch = self.client.zk, self.client, self._watch
         # Entry before result: complete() deletes the one and creates the other in a single
-        # transaction, so "no entry, then no result" means nothing will come.
-        calls = [] if self.entry_path is None else [zk.exists_async(self.entry_path, watch=watch)]
+        # transaction, so "no entry, then no result" means nothing will come. The entry is
+        # watched with a get, which sets no watch on an entry already gone (an exists watch
+        # would outlive the job: one leaked watch per job in a long-lived client).
+        calls = [] if self.entry_path is None else [zk.get_async(self.entry_path, watch=watch)]
         calls += [zk.exists_async(self.result_path, watch=watch), zk.get_async(self.result_path)]
         claim = self.claim_path if with_claim else None
         if claim is not None:
@@ -183,7 +185,7 @@ class AsyncJob:
         for value in done:
             if isinstance(value, BaseException) and not isinstance(value, NoNodeError):
                 raise value
-        entry_alive = self.entry_path is None or done[0] is not None
+        entry_alive = self.entry_path is None or not isinstance(done[0], NoNodeError)
         got = done[2 if self.entry_path is not None else 1]
         if not isinstance(got, BaseException):
             return Result.from_bytes(got[0]), None
