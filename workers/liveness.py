@@ -104,7 +104,11 @@ class Liveness:
                 )
             return
         self._progress_mark = mark
-        self.renew(running)
+        # A claim written less than a third of a lease ago (just claimed, or just published)
+        # needs no renewal yet: the next round comes before its lease could lapse.
+        due = [j for j in running if now - j.renewed_at >= self.lease / 3 - 0.5]
+        if due:
+            self.renew(due)
 
     def renew(self, jobs: list[RunningJob]) -> None:
         """Rewrite these jobs' claims (renewing their leases); stop the jobs whose claim is gone."""
@@ -114,6 +118,9 @@ class Liveness:
         except TRANSIENT:
             self.suspended = True
             return
+        now = time.monotonic()
+        for job in jobs:
+            job.renewed_at = now
         self.metrics.lease_renewed(len(claims) - len(lost))
         for claim in lost:
             log.warning("job %s: claim gone (lease reclaimed or session lost); stopping", claim.id)

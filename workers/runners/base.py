@@ -76,6 +76,8 @@ class RunningJob:
     published: str = ""
     #: Whether the watch on its entry is set (connection trouble can prevent it).
     watched: bool = False
+    #: When its claim was last written (claimed, renewed or published), monotonic seconds.
+    renewed_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def from_claim(cls, claim: Claim, pages: int = 0) -> RunningJob:
