@@ -230,3 +230,16 @@ def test_build_model_runner_refuses_a_budget_without_room(tiny_dir: Path) -> Non
     opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=2**20)
     with pytest.raises(ConfigurationError, match="no KV-cache page fits"):
         build_model_runner(opts)
+
+
+def test_a_cache_sized_from_plenty_of_memory_stops_at_what_jobs_can_use(tiny_dir: Path) -> None:
+    """On a CPU host without a budget the free RAM is the limit: the cache must still stop at
+    what every slot at the full context could hold (the engine refused a cache of 5 GiB)."""
+    opts = WorkerOptions(model=str(tiny_dir), device="cpu", max_concurrency=2)
+    runner, admission = build_model_runner(opts)
+    try:
+        per_job = math.ceil(runner.context_length / runner.page_tokens)
+        assert admission.pages_total is not None
+        assert per_job <= admission.pages_total <= 2 * per_job + 3
+    finally:
+        runner.close()

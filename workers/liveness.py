@@ -124,9 +124,9 @@ class Liveness:
         self.metrics.lease_renewed(len(claims) - len(lost))
         for claim in lost:
             log.warning("job %s: claim gone (lease reclaimed or session lost); stopping", claim.id)
-            job = self.held.get(claim.entry.name)
-            if job is not None:
-                job.cancel(CancelReason.LEASE)
+            gone = self.held.get(claim.entry.name)
+            if gone is not None:
+                gone.cancel(CancelReason.LEASE)
 
     def maybe_heartbeat(self, state: str, stats: tuple[int, int], slots: int) -> bool:
         """Rewrite the registration when due; returns whether a heartbeat was due."""

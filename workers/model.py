@@ -11,6 +11,7 @@ into one step, and the others wait inside it for the next.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,8 @@ def size_for(model: Any, opts: WorkerOptions) -> tuple[int, int]:
         flash=flash,
     )
     fmt = kvcache.format_size
+    useful = most_useful_pages(model, opts)
+    pages = plan.pages if useful is None else min(plan.pages, useful)
     if plan.pages < 1:
         raise ConfigurationError(
             f"no KV-cache page fits: {fmt(snapshot.free)} free after the weights "
@@ -113,15 +116,27 @@ def size_for(model: Any, opts: WorkerOptions) -> tuple[int, int]:
             f"{fmt(plan.bytes_per_page)}"
         )
     log.info(
-        "KV cache: %d pages of %d tokens (%s) from %s free (%s); step peak ~%s",
-        plan.pages,
+        "KV cache: %d pages of %d tokens (%s) from %s free (%s); step peak ~%s%s",
+        pages,
         plan.page_tokens,
-        fmt(plan.cache_bytes),
+        fmt(pages * plan.bytes_per_page),
         fmt(snapshot.free),
         snapshot.source,
         fmt(plan.activation_bytes),
+        "" if pages == plan.pages else f"; {plan.pages} would fit, {pages} can ever be used",
     )
-    return plan.pages, batch_tokens
+    return pages, batch_tokens
+
+
+def most_useful_pages(model: Any, opts: WorkerOptions) -> int | None:
+    """The most pages the worker's jobs could ever hold at once: every slot at the full context.
+    A larger cache is memory nobody can use (on a CPU host without a budget, the free RAM would
+    otherwise all go to the cache). None when the model states no context length."""
+    context = getattr(kvcache.text_config(model.config), "max_position_embeddings", None)
+    if not context:
+        return None
+    slots = opts.max_concurrency or MODEL_SLOTS
+    return slots * math.ceil(int(context) / PAGE_TOKENS) + kvcache.SPARE_PAGES
 
 
 def weight_bytes(model: Any) -> int:
