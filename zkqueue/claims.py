@@ -22,7 +22,7 @@ from kazoo.protocol.states import ZnodeStat
 
 from zkqueue import defaults
 from zkqueue import result as results
-from zkqueue.errors import ResultTooLarge
+from zkqueue.errors import CorruptRecord, ResultTooLarge
 from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
 from zkqueue.records import Candidate, Claim, ClaimBody, DeadLetter
@@ -279,25 +279,44 @@ def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str
     """Cancel a pending or running entry: record a ``cancelled`` result and delete the entry in
     one multi (a running worker sees the delete and stops). False if it had already ended."""
     path = layout.entry(queue, priority, name)
+    claim_call = zk.get_async(layout.claim(queue, name))
     try:
         _, stat = zk.get(path)
     except NoNodeError:
         return False
     job_id = EntryName.parse(name).job_id
+    running = _running_claim(claim_call)
+    now = time.time()
     record = Result(
         id=job_id,
         queue=queue,
         priority=priority,
         status=results.CANCELLED,
-        error="cancelled by request",
+        error=f"cancelled by request {_where(running, now)}",
+        worker=running.worker if running else None,
+        started_at=running.claimed_at if running else None,
         attempts=stat.version,
         submitted_at=stat.ctime / 1000,
-        finished_at=time.time(),
+        finished_at=now,
     )
     txn = zk.transaction()
     txn.create(layout.result(queue, job_id), record.to_bytes())
     txn.delete(path, stat.version)
     return not transaction_failed(txn.commit())
+
+
+def _where(running: ClaimBody | None, now: float) -> str:
+    if running is None:
+        return "before it started"
+    return f"while running on {running.worker} (started {now - running.claimed_at:.1f}s before)"
+
+
+def _running_claim(call: Any) -> ClaimBody | None:
+    """The claim a pipelined read found (None: not running, or a claim zkq cannot read)."""
+    try:
+        return ClaimBody.from_bytes(call.get()[0])
+    except (NoNodeError, CorruptRecord):
+        return None
 
 
 def reclaim(
