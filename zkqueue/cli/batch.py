@@ -21,7 +21,7 @@ def left(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
-def check_served(client: Client, queues: Iterable[str], require: bool) -> None:
+def check_served(client: Client, queues: Iterable[str], *, require: bool) -> None:
     """Warn on stderr (or refuse, with ``require``) when no registered worker serves a queue:
     the job would wait until one registers."""
     served = client.served_queues()
@@ -61,8 +61,9 @@ def submit_file(
         for line in lines:
             if line.error is not None:
                 click.echo(f"zkq: line {line.number}: {line.error}", err=True)
-        queues = {(line.spec or {}).get("queue", options["queue"]) for line in lines if line.spec}
-        check_served(client, queues, require_worker)
+        queues = {_queue(line, options["queue"]) for line in lines if line.spec is not None}
+        if require_worker:
+            check_served(client, queues, require=True)
         writer = _Writer(out)
         try:
             _run(client, lines, writer, options, detach, timeout)
@@ -98,9 +99,11 @@ def _run(
                 writer.write(_detached(x))
             written = len(done)
 
+    queues = {_queue(line, options["queue"]) for line in lines if line.spec is not None}
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("submitting", total=good)
         bulk.submit_lines(client, lines, detach=detach, **options, progress=submitted)
+        check_served(client, queues, require=False)
         if detach:
             for x in lines[written:]:
                 writer.write(_detached(x))
@@ -109,6 +112,11 @@ def _run(
         for record in bulk.results(lines, timeout):
             writer.write(record)
             bar.advance(task, 1 if "id" in record else 0)
+
+
+def _queue(line: bulk.Line, default: str) -> str:
+    spec = line.spec
+    return str(spec.get("queue", default)) if isinstance(spec, dict) else default
 
 
 def _detached(line: bulk.Line) -> dict[str, Any]:

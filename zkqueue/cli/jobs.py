@@ -125,7 +125,8 @@ def submit(
     job: Job | None = None
     with open_client(ctx, timeout) as client:
         try:
-            batch.check_served(client, [queue], require_worker)
+            if require_worker:
+                batch.check_served(client, [queue], require=True)
             job = client.submit(
                 text,
                 priority=priority,
@@ -135,6 +136,7 @@ def submit(
                 **({"stream": True} if stream else {}),
                 **extra,
             )
+            batch.check_served(client, [queue], require=False)
             if detach:
                 emit({"id": job.id}) if as_json else click.echo(job.id)
                 return

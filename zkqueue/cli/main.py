@@ -164,4 +164,15 @@ _add_plugins(cli)
 
 
 def main() -> None:
-    cli(prog_name="zkq")
+    """Run ``zkq``: a usage error is one line on stderr naming the command (exit 2), Ctrl-C
+    outside a command is exit 130."""
+    try:
+        code = cli.main(prog_name="zkq", standalone_mode=False)
+    except click.ClickException as exc:
+        where = exc.ctx.command_path if getattr(exc, "ctx", None) else "zkq"  # type: ignore[attr-defined]
+        click.echo(f"{where}: {exc.format_message()} (see {where} --help)", err=True)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("zkq: interrupted", err=True)
+        sys.exit(ExitCode.INTERRUPTED)
+    sys.exit(code if isinstance(code, int) else ExitCode.OK)
