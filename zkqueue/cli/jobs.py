@@ -143,6 +143,10 @@ def submit(
             if stream and not as_json:
                 sys.exit(_print_stream(job, batch.left(deadline)))
             record = job.result(timeout=batch.left(deadline))
+        except JobTimeout:
+            if job is None or timeout is None:
+                raise
+            raise JobTimeout(f"job {job.id} has no result after {timeout:g}s") from None
         except KeyboardInterrupt:
             raise Interrupted(_interrupted(job)) from None
     _print_result(record, as_json)
