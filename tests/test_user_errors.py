@@ -205,7 +205,8 @@ def test_bulk_file_reports_bad_lines_and_submits_the_rest(zkq, client: Client) -
     data = b'{"prompt": "one"}\n\xff\xfe\n{"prompt": ""}\n"caf\\udce9"\n{"prompt": "two"}\n'
     out = zkq("submit", "--detach", "--file", "-", input=data)
     assert out.returncode == ExitCode.USAGE, out.stderr
-    for line, why in ((2, "not valid UTF-8"), (3, "prompt must not be empty"), (4, "prompt is not valid UTF-8")):
+    refused = {2: "not valid UTF-8", 3: "prompt must not be empty", 4: "prompt is not valid UTF-8"}
+    for line, why in refused.items():
         assert f"zkq: line {line}: {why}" in out.stderr
     records = [json.loads(x) for x in out.stdout.splitlines()]
     assert [r["line"] for r in records] == [1, 2, 3, 4, 5]

@@ -120,16 +120,20 @@ def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | Non
 @click.pass_context
 @handles_errors
 def top(ctx: click.Context, interval: float, once: bool) -> None:
-    """Live view of queues, workers and recent results; q quits.
+    """Live view of queues, workers and recent results, fitted to the terminal (the least
+    useful columns drop first); q quits. Piped, it prints one plain snapshot.
 
     \b
     Example:
       zkq --zk zk1:2181 top --interval 1
+      zkq top --once > cluster.txt
     """
+    import sys
+
     from zkqueue.top import run_top
 
     with open_client(ctx) as client:
-        run_top(client, interval=interval, once=once)
+        run_top(client, interval=interval, once=once or not sys.stdout.isatty())
 
 
 @click.command()
