@@ -281,3 +281,26 @@ def test_readme_exit_codes_match_the_code_and_this_table() -> None:
     asserted = {case.code for case in CASES.values()} | ELSEWHERE
     assert asserted <= codes
     assert codes - asserted == {ExitCode.INTERNAL}, "a documented code no test asserts"
+
+
+def test_every_command_help_has_an_example() -> None:
+    import click
+
+    from zkqueue.cli.main import cli
+
+    def commands(group: click.Group, path: str) -> list[tuple[str, click.Command]]:
+        found = []
+        for name, command in group.commands.items():
+            found.append((f"{path} {name}", command))
+            if isinstance(command, click.Group):
+                found += commands(command, f"{path} {name}")
+        return found
+
+    def example(command: click.Command) -> bool:
+        text = command.help or ""
+        # A plugin whose package is not installed here stands in with a one-line hint.
+        return text.startswith("(not installed") or "zkq " in text.split("xample")[-1]
+
+    missing = [p for p, c in commands(cli, "zkq") if not example(c)]
+    assert "Example" in (cli.help or "")
+    assert missing == [], f"--help without an example: {missing}"
