@@ -141,3 +141,12 @@ def test_cancelled_running_job_says_where_it_ran(client: Client, start_worker) -
     record = job.result(timeout=10)
     assert record.status == "cancelled" and record.worker == "w9"
     assert record.started_at is not None and "while running on w9" in (record.error or "")
+
+
+def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:
+    client.ensure_queue("default")
+    out = zkq("janitor", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "reclaimed 0 lapsed lease(s)" in out.stdout and "removed 0 result(s)" in out.stdout
+    report = json.loads(zkq("janitor", "--once", "--json").stdout)
+    assert report == {"reclaimed": [], "expired": [], "results_removed": 0}
