@@ -168,12 +168,14 @@ def zkq(hosts: str, root: str) -> Callable[..., subprocess.CompletedProcess[str]
     """Run the zkq CLI as a subprocess against this test's root."""
 
     def run(
-        *args: str, input: str | None = None, timeout: float = 60.0, zk: str | None = None
+        *args: str, input: str | bytes | None = None, timeout: float = 60.0, zk: str | None = None
     ) -> subprocess.CompletedProcess[str]:
+        """``input`` as bytes is fed as is (for bytes that are not UTF-8); output is text."""
         cmd = [*ZKQ, "--zk", zk or hosts, "--root", root, "--session-timeout", "4", *args]
-        return subprocess.run(
-            cmd, input=input, capture_output=True, text=True, timeout=timeout, env=_env()
-        )
+        data = input.encode() if isinstance(input, str) else input
+        done = subprocess.run(cmd, input=data, capture_output=True, timeout=timeout, env=_env())
+        out, err = (b.decode("utf-8", "replace") for b in (done.stdout, done.stderr))
+        return subprocess.CompletedProcess(cmd, done.returncode, out, err)
 
     return run
 

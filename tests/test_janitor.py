@@ -137,6 +137,6 @@ def test_queue_full_fails_fast(client: Client, zkq) -> None:
     out = zkq("submit", "--detach", "4")
     assert out.returncode == ExitCode.QUEUE_FULL and "is full" in out.stderr
     assert client.stats()["queues"]["default"]["pending"] == 2
-    assert zkq("queue-limit", "default").returncode == 0
+    assert zkq("queue-limit", "default", "none").returncode == 0
     client.limits._cache.clear()
     client.submit("5", detach=True)

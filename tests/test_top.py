@@ -172,3 +172,54 @@ def test_live_view_quits_on_q(client: Client, populated: dict[str, Any], termina
     view.join(10)
     assert not view.is_alive()
     assert populated["worker"] in out.getvalue()
+
+
+def test_a_busy_frame_fits_80_by_24() -> None:
+    """Many queues, workers and results on a 80x24 terminal: columns drop by rank, then rows,
+    and what remains says how many rows are not shown."""
+    from zkqueue.topview import ResultRow
+
+    now = __import__("time").time()
+    queues = [
+        QueueState(
+            name=f"queue-number-{i}",
+            depth={"high": 5, "normal": 120, "low": 3000},
+            waiting={"high": 5, "normal": 100, "low": 3000},
+            running=20,
+            idle_workers=1,
+            dead=2,
+            results=7,
+            max_running=20,
+            oldest={"low": now - 400},
+        )
+        for i in range(6)
+    ]
+    workers = [
+        {
+            "id": f"gpu-host-{i:02d}-12345-abcd",
+            "queue": "queue-number-1",
+            "runner": "hf",
+            "runner_info": {"model": "/srv/models/llama-3-8b-instruct", "device": "cuda:0"},
+            "state": "running",
+            "slots_busy": 8,
+            "slots_max": 8,
+            "memory": {"pages_total": 96, "pages_promised": 40},
+            "running": ["8f3a2c1d9e4b7a60", "8f3a2c1d9e4b7a61", "8f3a2c1d9e4b7a62"],
+            "updated_at": now - 1,
+        }
+        for i in range(12)
+    ]
+    recent = [
+        ResultRow(f"{i:016x}", "queue-number-1", "normal", "succeeded", "gpu-host-01", 2.5, now)
+        for i in range(10)
+    ]
+    snap = TopSnapshot("zk1:2181,zk2:2181,zk3:2181", "/zkq", ClusterState(queues, workers), recent)
+    console = Console(record=True, width=80, height=24, file=io.StringIO())
+    console.print(render(snap, size=(80, 24)))
+    lines = console.export_text().rstrip("\n").splitlines()
+    assert len(lines) <= 24, "\n".join(lines)
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    text = "\n".join(lines)
+    for kept in ("queue-number-0", "waiting", "running", "20/20", "worker", "slots"):
+        assert kept in text, text
+    assert "more not shown" in text

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from zkqueue import defaults
-from zkqueue.cli.common import SIZE, connection_settings, handles_errors
+from zkqueue.cli.common import COUNT, SECONDS, SIZE, checked, connection_settings, handles_errors
+from zkqueue.layout import check_queue, check_worker_name
 
 
 @click.command()
-@click.option("--queue", default=defaults.QUEUE, show_default=True)
+@click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
 @click.option(
     "--runner",
     type=click.Choice(["echo", "hf"]),
@@ -39,7 +43,7 @@ from zkqueue.cli.common import SIZE, connection_settings, handles_errors
     "--vram-reserve", type=SIZE, default=0, help="Keep SIZE of device memory free always."
 )
 @click.option(
-    "--max-runtime", type=float, default=None, help="Default max runtime per job, seconds."
+    "--max-runtime", type=SECONDS, default=None, help="Default max runtime per job, seconds."
 )
 @click.option(
     "--greedy-only",
@@ -47,33 +51,43 @@ from zkqueue.cli.common import SIZE, connection_settings, handles_errors
     help="A greedy-only engine: faster steps; sampled jobs then run one at a time.",
 )
 @click.option(
-    "--slow-after", type=float, default=30.0, show_default=True, help="Log jobs slower than this."
+    "--slow-after", type=SECONDS, default=30.0, show_default=True, help="Log jobs slower than this."
 )
 @click.option(
     "--echo-delay",
-    type=float,
+    type=click.FloatRange(min=0),
     default=defaults.ECHO_DELAY,
     show_default=True,
     help="Seconds the echo runner takes per batch.",
 )
 @click.option(
     "--max-concurrency",
-    type=int,
+    type=COUNT,
     default=None,
     help="Slots: jobs this worker holds at once [default: 1 for echo; for a model, what its "
     "KV cache admits, at most 256].",
 )
-@click.option("--name", default=None, help="Worker id (default host-pid-random).")
-@click.option("--max-jobs", type=int, default=None, help="Exit after claiming N jobs.")
-@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT, show_default=True)
 @click.option(
-    "--heartbeat-interval", type=float, default=defaults.HEARTBEAT_INTERVAL, show_default=True
+    "--name",
+    default=None,
+    callback=checked(check_worker_name),
+    help="Worker id (default host-pid-random).",
 )
-@click.option("--max-attempts", type=int, default=defaults.MAX_ATTEMPTS, show_default=True)
+@click.option("--max-jobs", type=COUNT, default=None, help="Exit after claiming N jobs.")
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=defaults.DRAIN_TIMEOUT,
+    show_default=True,
+)
+@click.option(
+    "--heartbeat-interval", type=SECONDS, default=defaults.HEARTBEAT_INTERVAL, show_default=True
+)
+@click.option("--max-attempts", type=COUNT, default=defaults.MAX_ATTEMPTS, show_default=True)
 @click.option(
     "--lease",
-    type=float,
+    type=SECONDS,
     default=defaults.LEASE,
     show_default=True,
     help="Seconds a running job's claim lives without progress.",
@@ -85,16 +99,21 @@ from zkqueue.cli.common import SIZE, connection_settings, handles_errors
     help="Stand for the janitor election.",
 )
 @click.option(
-    "--janitor-interval", type=float, default=defaults.JANITOR_INTERVAL, show_default=True
+    "--janitor-interval", type=SECONDS, default=defaults.JANITOR_INTERVAL, show_default=True
 )
 @click.option(
     "--result-ttl",
-    type=float,
+    type=SECONDS,
     default=defaults.RESULT_TTL,
     show_default=True,
     help="Seconds finished results are kept (by the janitor).",
 )
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics here.",
+)
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True)
 @click.option(
     "--config",
@@ -102,9 +121,12 @@ from zkqueue.cli.common import SIZE, connection_settings, handles_errors
     default=None,
     help="TOML file with worker settings: flags override it, it overrides ZKQ_* variables.",
 )
+@click.option(
+    "-q", "--quiet", is_flag=True, help="Log warnings and errors only (the default is info)."
+)
 @click.pass_context
 @handles_errors
-def worker(ctx: click.Context, **options: Any) -> None:
+def worker(ctx: click.Context, quiet: bool, **options: Any) -> None:
     """Run a worker daemon on a queue until SIGTERM (drain) or a second signal (release).
 
     \b
@@ -116,6 +138,7 @@ def worker(ctx: click.Context, **options: Any) -> None:
     from workers.daemon import run_worker
     from workers.options import WorkerOptions
 
+    _worker_log_level(ctx, quiet)
     config = options.pop("config")
     if config is not None:
         apply_config(ctx, options, config)
@@ -123,31 +146,62 @@ def worker(ctx: click.Context, **options: Any) -> None:
     sys.exit(run_worker(connection_settings(ctx), opts))
 
 
+def _worker_log_level(ctx: click.Context, quiet: bool) -> None:
+    """A daemon says what it does: info unless --quiet or --log-level/ZKQ_LOG_LEVEL said."""
+    if quiet:
+        logging.getLogger().setLevel(logging.WARNING)
+    elif ctx.find_root().get_parameter_source("log_level") == ParameterSource.DEFAULT:
+        logging.getLogger().setLevel(logging.INFO)
+
+
 @click.command()
-@click.option("--interval", type=float, default=defaults.JANITOR_INTERVAL, show_default=True)
+@click.option("--interval", type=SECONDS, default=defaults.JANITOR_INTERVAL, show_default=True)
 @click.option(
     "--result-ttl",
-    type=float,
+    type=SECONDS,
     default=defaults.RESULT_TTL,
     show_default=True,
     help="Seconds finished results are kept.",
 )
-@click.option("--once", is_flag=True, help="Run one pass now and exit.")
+@click.option("--once", is_flag=True, help="Run one pass now, print what it did, and exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --once: print the pass as JSON.")
 @click.pass_context
 @handles_errors
-def janitor(ctx: click.Context, interval: float, result_ttl: float, once: bool) -> None:
+def janitor(
+    ctx: click.Context, interval: float, result_ttl: float, once: bool, as_json: bool
+) -> None:
     """Run the janitor (expired leases, queue deadlines, old results) for deployments without
-    workers running it; several may run, one is elected."""
-    from workers.daemon import run_janitor
+    workers running it; several may run, one is elected.
 
-    sys.exit(
-        run_janitor(
-            connection_settings(ctx),
-            ctx.obj["root"],
-            interval=interval,
-            result_ttl=result_ttl,
-            once=once,
-        )
+    \b
+    Examples:
+      zkq janitor --once                 # one pass now, with a summary
+      zkq janitor --interval 5 &         # the elected janitor until SIGTERM
+    """
+    from workers.daemon import janitor_pass, run_janitor
+
+    if as_json and not once:
+        raise click.UsageError("--json applies only with --once")
+    settings = connection_settings(ctx)
+    if once:
+        report = janitor_pass(settings, ctx.obj["root"], result_ttl=result_ttl)
+        click.echo(json.dumps(report) if as_json else _janitor_summary(report))
+        return
+    _worker_log_level(ctx, quiet=False)
+    sys.exit(run_janitor(settings, ctx.obj["root"], interval=interval, result_ttl=result_ttl))
+
+
+def _janitor_summary(report: dict[str, Any]) -> str:
+    def ids(jobs: list[str]) -> str:
+        return f": {', '.join(jobs[:5])}{' ...' if len(jobs) > 5 else ''}" if jobs else ""
+
+    return "\n".join(
+        [
+            f"reclaimed {len(report['reclaimed'])} lapsed lease(s){ids(report['reclaimed'])}",
+            f"expired {len(report['expired'])} job(s) past their queue timeout"
+            f"{ids(report['expired'])}",
+            f"removed {report['results_removed']} result(s) older than the retention",
+        ]
     )
 
 

@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -80,11 +80,12 @@ def _serve(zk: KazooClient, opts: WorkerOptions, runner: Runner, admission: Admi
     def ready() -> None:
         notifier.ready(f"worker {worker.id} on queue {opts.queue}")
         log.info(
-            "worker %s ready on queue %s (%s, %d slot(s))",
+            "registered worker %s on queue %s: runner %s, %d slot(s), cache %s",
             worker.id,
             opts.queue,
             runner.name,
             opts.max_concurrency,
+            _cache_text(admission),
         )
 
     janitor = _start_janitor(zk, opts.root, worker.id, opts)
@@ -111,35 +112,45 @@ def _start_janitor(
     ).start()
 
 
-def run_janitor(
-    settings: ConnectionSettings,
-    root: str,
-    *,
-    interval: float,
-    result_ttl: float,
-    once: bool,
-) -> int:
-    """``zkq janitor``: a pass now (``once``), or the elected janitor until SIGTERM/SIGINT."""
+def janitor_pass(settings: ConnectionSettings, root: str, *, result_ttl: float) -> dict[str, Any]:
+    """``zkq janitor --once``: one pass now; what it did, as plain data."""
     zk = connect(settings)
     try:
-        layout = Layout(root)
-        if once:
-            report = Janitor(zk, layout, result_ttl=result_ttl).run_pass()
-            log.warning("janitor pass: %s", report)
-            return 0
+        with mapped_errors(settings.hosts):
+            report = Janitor(zk, Layout(root), result_ttl=result_ttl).run_pass()
+        return asdict(report)
+    finally:
+        close(zk)
+
+
+def run_janitor(
+    settings: ConnectionSettings, root: str, *, interval: float, result_ttl: float
+) -> int:
+    """``zkq janitor``: the elected janitor until SIGTERM/SIGINT."""
+    zk = connect(settings)
+    try:
         service = JanitorService(
-            zk, layout, default_worker_id(), interval=interval, result_ttl=result_ttl
+            zk, Layout(root), default_worker_id(), interval=interval, result_ttl=result_ttl
         )
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         service.start()
         Notifier().ready("janitor")
+        log.info("janitor standing for election under %s, a pass every %gs", root, interval)
         stop.wait()
         service.stop()
+        log.info("janitor stopped")
         return 0
     finally:
         close(zk)
+
+
+def _cache_text(admission: Admission) -> str:
+    tokens = admission.capacity_tokens
+    if tokens is None:
+        return "unbounded (no memory admission)"
+    return f"{admission.pages_total} KV pages ({tokens} tokens)"
 
 
 def _heartbeat(opts: WorkerOptions, notifier: Notifier) -> float:

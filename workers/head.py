@@ -22,11 +22,12 @@ from workers.metrics import WorkerMetrics
 from zkqueue.claims import Candidate, Claim, Claims
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout
+from zkqueue.limits import RunningCap
 from zkqueue.line import Line
 from zkqueue.registry import read_records
 from zkqueue.result import Status
 from zkqueue.spec import JobSpec
-from zkqueue.view import PendingView
+from zkqueue.view import CLAIMS, PendingView
 
 log = logging.getLogger("zkq.worker")
 
@@ -54,6 +55,11 @@ class HeadTurn:
     queue: str
     max_attempts: int
     stats: HeadStats = field(default_factory=HeadStats)
+    #: The last turn claimed less than it could because of the queue's max_running.
+    capped: bool = False
+
+    def __post_init__(self) -> None:
+        self.cap = RunningCap(self.zk, self.layout, self.queue)
 
     def turn(
         self, free: int, exclude: set[str], rejoin_if_room: bool
@@ -61,9 +67,19 @@ class HeadTurn:
         """Claim up to ``free`` admissible entries not in ``exclude``. Returns each claim with the
         KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
         for us), or None if a race was lost."""
+        cap = self.cap.value
+        if cap is not None:
+            # Only the head claims, so the claims it lists now are every claim there is (fewer
+            # as jobs end). Re-list them (at most cap nodes) rather than trust that the watch
+            # event of the previous head's claims has already arrived.
+            self.view.invalidate(CLAIMS)
         self.view.refresh()
         self._letter_malformed()
-        picked = self._pick(free, exclude)
+        want = free if cap is None else min(free, cap - len(self.view.claimed))
+        self.capped = want < free
+        if want <= 0:
+            return []
+        picked = self._pick(want, exclude)
         if not picked:
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0

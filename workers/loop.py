@@ -16,7 +16,7 @@ import queue as queue_mod
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -58,6 +58,10 @@ class WorkerStats:
     out_of_memory: int = 0
     #: Watch notifications this worker's session received (line, view, running entries).
     watch_events: int = 0
+
+    def __str__(self) -> str:
+        shown = {k: v for k, v in asdict(self).items() if v and k != "watch_events"}
+        return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in shown.items()) or "no jobs"
 
 
 class Worker:
@@ -290,7 +294,7 @@ class Worker:
             self._post(Event.WAKE)  # lost a race: re-read and try again
             return
         if not claimed:
-            self._queue_empty = True
+            self._queue_empty = not self.head.capped  # capped: jobs wait, the queue is not empty
             return
         self._stats.claimed += len(claimed)
         self.metrics.batch(self.queue, len(claimed))

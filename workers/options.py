@@ -9,6 +9,8 @@ import socket
 from dataclasses import dataclass
 
 from zkqueue import defaults
+from zkqueue.errors import ConfigurationError
+from zkqueue.layout import check_queue, check_root, check_worker_name
 
 #: The most jobs a model worker holds when --max-concurrency is not given.
 MODEL_SLOTS = 256
@@ -60,6 +62,27 @@ class WorkerOptions:
     #: Serve Prometheus metrics on this port (none: no HTTP server).
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        """Validate at the edge (flags, TOML, library callers): names, then numbers."""
+        check_queue(self.queue)
+        check_root(self.root)
+        if self.name is not None:
+            check_worker_name(self.name)
+        for field, low in _AT_LEAST_ONE.items():
+            value = getattr(self, field)
+            if value is not None and value < low:
+                raise ConfigurationError(f"{field} must be at least {low}, not {value}")
+        for field in _POSITIVE:
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ConfigurationError(f"{field} must be more than 0, not {value}")
+        if self.drain_timeout < 0:
+            raise ConfigurationError(f"drain_timeout must not be negative: {self.drain_timeout}")
+
+
+_AT_LEAST_ONE = {"max_concurrency": 1, "max_jobs": 1, "max_attempts": 1}
+_POSITIVE = ("heartbeat_interval", "lease", "janitor_interval", "result_ttl", "max_runtime")
 
 
 def default_worker_id() -> str:

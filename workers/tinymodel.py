@@ -59,6 +59,9 @@ def write_tiny_model(directory: str | Path, *, seed: int = 0) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     _generation_config(config).save_pretrained(path)
+    for written in path.iterdir():  # readable by the worker's own user (a systemd service)
+        if written.is_file():
+            written.chmod(0o644)
     return path
 
 

@@ -22,6 +22,7 @@ from kazoo.protocol.states import WatchedEvent
 from zkqueue import claims
 from zkqueue.connection import TRANSIENT, mapped_errors
 from zkqueue.errors import JobTimeout, JobWithdrawn, ZkqConnectionError
+from zkqueue.records import ClaimBody
 from zkqueue.result import Result
 
 if TYPE_CHECKING:
@@ -252,14 +253,18 @@ class AsyncJob:
         """Cancel a pending or running job and record status cancelled. False if it had ended."""
         if self.entry_path is None:
             return False
-        zk = self.client.zk
+        zk, layout = self.client.zk, self.client.layout
+        assert self.entry is not None
         with mapped_errors(self.client.settings.hosts):
+            claim_call = zk.get_async(layout.claim(self.queue, self.entry))
             found = await self.client.maybe(zk.get_async(self.entry_path))
             if found is None:
                 return False
-            assert self.entry is not None
-            layout, stat = self.client.layout, found[1]
-            call = claims.cancel_async(zk, layout, self.queue, self.priority, self.entry, stat)
+            await _settled(self.client.wait(claim_call))
+            running = ClaimBody.from_call(claim_call)
+            call = claims.cancel_async(
+                zk, layout, self.queue, self.priority, self.entry, found[1], running
+            )
             return not claims.transaction_failed(await self.client.wait(call))
 
 

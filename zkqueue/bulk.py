@@ -5,6 +5,7 @@ reported with its number and the rest still goes through."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +26,18 @@ class Line:
     job: Job | None = None
 
 
-def read_lines(lines: Iterable[str], *, limit: int) -> list[Line]:
-    """Parse and validate every non-blank line; invalid ones carry their error."""
+def read_lines(lines: Iterable[str | bytes], *, limit: int) -> list[Line]:
+    """Parse and validate every non-blank line; invalid ones (not UTF-8, not JSON, not a valid
+    job) carry their error."""
     out = []
     for number, text in enumerate(lines, 1):
+        if isinstance(text, bytes):
+            data = text
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                out.append(Line(number, error=_not_utf8(data, exc)))
+                continue
         if not text.strip():
             continue
         try:
@@ -69,14 +78,21 @@ def submit_lines(
             progress(len(part))
 
 
+def _not_utf8(data: bytes, exc: UnicodeDecodeError) -> str:
+    return f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {exc.start + 1})"
+
+
 def results(lines: list[Line], timeout: float | None) -> Iterator[dict[str, Any]]:
-    """One JSON record per line, in input order: the result, or the line's error."""
+    """One JSON record per line, in input order: the result, or the line's error. ``timeout``
+    bounds the whole wait, not each job's."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     for line in lines:
         if line.job is None:
             yield {"line": line.number, "status": "invalid", "error": line.error}
             continue
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
-            record = line.job.result(timeout=timeout).to_dict()
+            record = line.job.result(timeout=left).to_dict()
         except (JobTimeout, JobWithdrawn) as exc:
             record = {"id": line.job.id, "status": "unfinished", "error": str(exc)}
         yield {"line": line.number, **record}

@@ -22,7 +22,6 @@ from kazoo.protocol.states import ZnodeStat
 
 from zkqueue import defaults
 from zkqueue import result as results
-from zkqueue.errors import ResultTooLarge
 from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
 from zkqueue.records import Candidate, Claim, ClaimBody, DeadLetter
@@ -101,7 +100,7 @@ class Claims:
         tried alone: only the fenced one fails. Returns whether each was completed."""
         txn = self.zk.transaction()
         for claim, record in done:
-            self._add_complete(txn, claim, _result_bytes(record))
+            self._add_complete(txn, claim, record.to_bytes_or_failure())
         if line is not None:
             line.add_join(txn)
         outcome = txn.commit()
@@ -288,32 +287,51 @@ def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str
     """Cancel a pending or running entry: record a ``cancelled`` result and delete the entry in
     one multi (a running worker sees the delete and stops). False if it had already ended."""
     path = layout.entry(queue, priority, name)
+    claim_call = zk.get_async(layout.claim(queue, name))
     try:
         _, stat = zk.get(path)
     except NoNodeError:
         return False
-    return not transaction_failed(cancel_async(zk, layout, queue, priority, name, stat).get())
+    running = ClaimBody.from_call(claim_call)
+    call = cancel_async(zk, layout, queue, priority, name, stat, running)
+    return not transaction_failed(call.get())
 
 
 def cancel_async(
-    zk: KazooClient, layout: Layout, queue: str, priority: str, name: str, stat: ZnodeStat
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    priority: str,
+    name: str,
+    stat: ZnodeStat,
+    running: ClaimBody | None,
 ) -> Any:
-    """The cancel multi for an entry read with ``stat``, without waiting for its answer."""
+    """The cancel multi for an entry read with ``stat`` (and its claim, ``running``, when it
+    runs: the result names the worker and when it started), without waiting for its answer."""
     job_id = EntryName.parse(name).job_id
+    now = time.time()
     record = Result(
         id=job_id,
         queue=queue,
         priority=priority,
         status=results.CANCELLED,
-        error="cancelled by request",
+        error=f"cancelled by request {_where(running, now)}",
+        worker=running.worker if running else None,
+        started_at=running.claimed_at if running else None,
         attempts=stat.version,
         submitted_at=stat.ctime / 1000,
-        finished_at=time.time(),
+        finished_at=now,
     )
     txn = zk.transaction()
     txn.create(layout.result(queue, job_id), record.to_bytes())
     txn.delete(layout.entry(queue, priority, name))  # whatever claims happened since the read
     return txn.commit_async()
+
+
+def _where(running: ClaimBody | None, now: float) -> str:
+    if running is None:
+        return "before it started"
+    return f"while running on {running.worker} (started {now - running.claimed_at:.1f}s before)"
 
 
 def reclaim(
@@ -372,12 +390,3 @@ def _first_error(outcome: list[Any]) -> str:
         if isinstance(r, Exception) and type(r).__name__ != "RolledBackError":
             return type(r).__name__
     return "unknown"
-
-
-def _result_bytes(record: Result) -> bytes:
-    """The record's JSON; one over the size limit becomes a failure that says so."""
-    try:
-        return record.to_bytes()
-    except ResultTooLarge as exc:
-        record.status, record.output, record.error = results.FAILED, "", str(exc)
-        return record.to_bytes()

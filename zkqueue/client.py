@@ -13,12 +13,13 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
-from zkqueue.deadletters import list_dead, requeue
+from zkqueue.deadletters import dead_result, list_dead, requeue
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import PENDING, RUNNING, Job
 from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
-from zkqueue.limits import Limits
+from zkqueue.limits import Limits, QueueSettings
+from zkqueue.queues import delete_queue, queue_stats, queue_table
 from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
 from zkqueue.result import Result
@@ -195,6 +196,9 @@ class Client:
                 found = self._find_job(q, job_id)
                 if found is not None:
                     return found
+            dead = dead_result(self.dead(queue), job_id)
+            if dead is not None:  # known only by its dead letter (its result is gone)
+                return Job(self, job_id, dead.queue, dead.priority, result=dead)
         raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
 
     def _find_job(self, queue: str, job_id: str) -> Job | None:
@@ -290,29 +294,34 @@ class Client:
         """Depth per queue and priority (running jobs included), running jobs, waiting slots,
         results and dead letters, and live workers; each number is one stat read."""
         with self.mapped():
-            queues = {q: self._queue_stats(q) for q in self.queue_names()}
+            queues = {q: queue_stats(self.zk, self.layout, q) for q in self.queue_names()}
             workers = self.zk.exists(self.layout.workers())
             return {"queues": queues, "workers": workers.numChildren if workers else 0}
 
-    def _queue_stats(self, queue: str) -> dict[str, Any]:
-        lay = self.layout
-        calls = {p: self.zk.exists_async(lay.pending(queue, p)) for p in defaults.PRIORITIES}
-        calls.update(
-            running=self.zk.exists_async(lay.claims(queue)),
-            idle_workers=self.zk.exists_async(lay.line(queue)),
-            results=self.zk.exists_async(lay.results(queue)),
-            dead=self.zk.exists_async(lay.dead(queue)),
-        )
-        counts = {k: (c.get().numChildren if c.get() else 0) for k, c in calls.items()}
-        depth = {p: counts.pop(p) for p in defaults.PRIORITIES}
-        return {"depth": depth, "pending": sum(depth.values()) - counts["running"], **counts}
-
     def set_max_pending(self, queue: str, max_pending: int | None) -> None:
         """Limit a queue's waiting jobs (None: no limit); producers beyond it get QueueFull."""
+        self.set_limits(queue, max_pending=max_pending)
+
+    def set_limits(self, queue: str, **limits: int | None) -> QueueSettings:
+        """Set ``max_pending`` and/or ``max_running`` (None removes one); returns them all."""
         check_queue(queue)
         with self.mapped():
             self.ensure_queue(queue)
-            self.limits.set_max_pending(queue, max_pending)
+            return self.limits.set(queue, **limits)
+
+    def queues(self) -> builtins.list[dict[str, Any]]:
+        """Every queue with the workers serving it, its limits and depth."""
+        workers = self.workers()
+        with self.mapped():
+            return queue_table(self.zk, self.layout, self.queue_names(), workers)
+
+    def delete_queue(self, queue: str, force: bool = False) -> dict[str, Any]:
+        """Delete a queue (refused while jobs wait or run unless ``force``)."""
+        check_queue(queue)
+        with self.mapped():
+            stats = delete_queue(self.zk, self.layout, queue, force=force)
+        self._ready.discard(queue)
+        return stats
 
     def dead(self, queue: str | None = None) -> builtins.list[dict[str, Any]]:
         """Dead letters (reason, raw entry data) of one queue or of all."""
@@ -343,6 +352,14 @@ class Client:
         """Registered workers' records (see docs/PROTOCOL.md)."""
         with self.mapped():
             return read_records(self.zk, self.layout)
+
+    def served_queues(self) -> set[str]:
+        """Queues at least one registered worker serves."""
+        served: set[str] = set()
+        for record in self.workers():
+            queues = record.get("queues") or [record.get("queue")]
+            served.update(q for q in queues if isinstance(q, str))
+        return served
 
 
 def _order(entry: EntryName) -> int:

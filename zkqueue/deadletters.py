@@ -12,6 +12,7 @@ from zkqueue import claims
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound
 from zkqueue.layout import Layout
 from zkqueue.records import DeadLetter
+from zkqueue.result import Result, Status
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.dead")
@@ -38,6 +39,23 @@ def list_dead(zk: KazooClient, layout: Layout, queues: list[str]) -> list[dict[s
             letter.update(name=name, queue=queue)
             letters.append(letter)
     return sorted(letters, key=lambda x: x.get("dead_at") or 0)
+
+
+def dead_result(letters: list[dict[str, Any]], job_id: str) -> Result | None:
+    """The ``dead`` result of a job known by its dead letter (when the result node is gone:
+    removed after the retention, or never written for a hand-made entry)."""
+    for letter in letters:
+        if letter.get("id") == job_id and letter.get("priority"):
+            return Result(
+                id=job_id,
+                queue=letter["queue"],
+                priority=letter["priority"],
+                status=Status.DEAD,
+                error=letter["reason"],
+                worker=letter.get("worker"),
+                finished_at=letter.get("dead_at"),
+            )
+    return None
 
 
 def requeue(zk: KazooClient, layout: Layout, letter: dict[str, Any]) -> str:

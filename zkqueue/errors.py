@@ -17,6 +17,7 @@ class ExitCode:
     DENIED = 8
     CORRUPT = 9
     INTERNAL = 70
+    INTERRUPTED = 130
 
 
 class ZkqError(Exception):
@@ -65,6 +66,16 @@ class QueueFull(ZkqError):
     exit_code = ExitCode.QUEUE_FULL
 
 
+class NoWorker(QueueFull):
+    """No registered worker serves the queue (raised only when the caller asked for one)."""
+
+
+class QueueBusy(ZkqError):
+    """The queue still holds waiting or running jobs (delete it with force)."""
+
+    exit_code = ExitCode.QUEUE_FULL
+
+
 class ZkqConnectionError(ZkqError):
     """ZooKeeper could not be reached, or the session was lost while waiting. ``job_id`` names
     a job whose enqueue may have committed before the connection went."""
@@ -87,6 +98,12 @@ class CorruptRecord(ZkqError):
     another client wrote it. The message names the node."""
 
     exit_code = ExitCode.CORRUPT
+
+
+class Interrupted(ZkqError):
+    """The user pressed Ctrl-C; the message says what was and was not submitted."""
+
+    exit_code = ExitCode.INTERRUPTED
 
 
 class JobWithdrawn(ZkqError):

@@ -39,6 +39,7 @@ from zkqueue import defaults
 from zkqueue.client import Client
 from zkqueue.errors import ZkqError
 from zkqueue.layout import EntryName
+from zkqueue.limits import QueueSettings
 
 log = logging.getLogger("zkq.exporter")
 
@@ -66,6 +67,8 @@ class QueueState:
     idle_workers: int
     dead: int
     results: int
+    #: The queue-wide running cap (``zkq queue-limit Q --max-running N``), None without one.
+    max_running: int | None = None
     #: ZooKeeper ctime (unix seconds) of the first unclaimed entry per priority; a priority with
     #: nothing waiting (or whose first entries went away while we read) is absent.
     oldest: dict[str, float] = field(default_factory=dict)
@@ -161,6 +164,7 @@ def _start_queue(client: Client, queue: str) -> dict[str, IAsyncResult]:
     calls["line"] = zk.exists_async(layout.line(queue))
     calls["dead"] = zk.exists_async(layout.dead(queue))
     calls["results"] = zk.exists_async(layout.results(queue))
+    calls["settings"] = zk.get_async(layout.queue(queue))
     return calls
 
 
@@ -183,6 +187,7 @@ def _finish_queue(
         idle_workers=deadline.count(calls["line"]),
         dead=deadline.count(calls["dead"]),
         results=deadline.count(calls["results"]),
+        max_running=QueueSettings.from_bytes(deadline.get(calls["settings"])[0]).max_running,
     )
     return state, probe
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
+from kazoo.handlers.threading import KazooTimeoutError
 
 from zkqueue import claims
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
@@ -46,6 +47,8 @@ RUNNING = "running"
 _RECHECK_SECONDS = 2.0
 #: How often a waiter tries again while ZooKeeper is unreachable.
 _RECONNECT_POLL = 0.25
+#: What a read may raise while ZooKeeper is away; a waiter tries again within its deadline.
+_AWAY = (ConnectionLoss, SessionExpiredError, KazooTimeoutError)
 
 
 class Job:
@@ -62,6 +65,7 @@ class Job:
         *,
         detach: bool = True,
         owned: bool = False,
+        result: Result | None = None,
     ) -> None:
         self.client = client
         self.id = job_id
@@ -70,7 +74,7 @@ class Job:
         self.entry = entry
         self.detach = detach
         self.owned = owned
-        self._result: Result | None = None
+        self._result = result
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, queue={self.queue!r}, priority={self.priority!r})"
@@ -120,7 +124,7 @@ class Job:
         while self._result is None:
             fired = threading.Event()
             with self.client.mapped():
-                found = self._look_stream(_setter(fired))
+                found = self._look_stream(_setter(fired), _bound(deadline))
             text, record = found
             if record is not None:
                 self._accept(record)
@@ -137,20 +141,21 @@ class Job:
                 raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
             fired.wait(_RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS))
 
-    def _look_stream(self, watch: Any) -> tuple[str, Result | None]:
+    def _look_stream(self, watch: Any, timeout: float | None) -> tuple[str, Result | None]:
         """The partial output in the claim (watched), or the result if the job ended."""
         try:
-            record = self._look(watch)
-        except (ConnectionLoss, SessionExpiredError):
+            record = self._look(watch, timeout)
+        except _AWAY:
             return "", None
         if record is not None or self.entry is None:
             return "", record
         claim = self.client.layout.claim(self.queue, self.entry)
+        zk = self.client.zk
         try:
-            if self.client.zk.exists(claim, watch=watch) is None:
+            if zk.exists_async(claim, watch=watch).get(timeout=timeout) is None:
                 return "", None
-            data, _ = self.client.zk.get(claim)
-        except (NoNodeError, ConnectionLoss, SessionExpiredError):
+            data, _ = zk.get_async(claim).get(timeout=timeout)
+        except (NoNodeError, *_AWAY):
             return "", None
         try:
             partial = ClaimBody.from_bytes(data).partial
@@ -175,12 +180,17 @@ class Job:
             )
 
     def withdraw(self) -> None:
-        """Delete the entry without a result: the caller no longer wants the answer."""
+        """Delete the entry without a result: the caller no longer wants the answer. Without a
+        connection this does not wait: an attached entry is ephemeral and goes with the
+        session, which the caller is about to close."""
         path = self.entry_path
         if path is None:
             return
-        with contextlib.suppress(NoNodeError):
-            self.client.zk.delete(path)
+        zk = self.client.zk
+        if not zk.connected:
+            return
+        with contextlib.suppress(NoNodeError, *_AWAY):
+            zk.delete_async(path).get(timeout=_RECHECK_SECONDS)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -189,9 +199,9 @@ class Job:
         while True:
             fired = threading.Event()
             try:
-                found = self._look(_setter(fired))
+                found = self._look(_setter(fired), _bound(deadline))
                 recheck = _RECHECK_SECONDS
-            except (ConnectionLoss, SessionExpiredError):
+            except _AWAY:
                 found, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait, within deadline
             if found is not None:
                 return found
@@ -200,7 +210,9 @@ class Job:
                 return None
             fired.wait(recheck if remaining is None else min(remaining, recheck))
 
-    def _look(self, watch: Any) -> Result | None:
+    def _look(self, watch: Any, timeout: float | None = None) -> Result | None:
+        """The result if there is one. ``timeout`` bounds each read: a request made while
+        kazoo reconnects waits for the connection, and the caller's deadline comes first."""
         zk = self.client.zk
         entry_path = self.entry_path
         # Read the entry before the result: complete() deletes the one and creates the other
@@ -212,10 +224,10 @@ class Job:
         entry_call = zk.get_async(entry_path, watch=watch) if entry_path else None
         result_watch = zk.exists_async(self.result_path, watch=watch)
         result_call = zk.get_async(self.result_path)
-        entry_alive = entry_call is None or _exists(entry_call)
-        result_watch.get()
+        entry_alive = entry_call is None or _exists(entry_call, timeout)
+        result_watch.get(timeout=timeout)
         try:
-            data, _ = result_call.get()
+            data, _ = result_call.get(timeout=timeout)
             return Result.from_bytes(data)
         except NoNodeError:
             pass
@@ -274,12 +286,19 @@ class Job:
         }
 
 
-def _exists(call: Any) -> bool:
+def _exists(call: Any, timeout: float | None) -> bool:
     try:
-        call.get()
+        call.get(timeout=timeout)
     except NoNodeError:
         return False
     return True
+
+
+def _bound(deadline: float | None) -> float | None:
+    """Seconds a read may block before the deadline (a little at least, so it can answer)."""
+    if deadline is None:
+        return None
+    return max(deadline - time.monotonic(), 0.05)
 
 
 def _setter(event: threading.Event) -> Any:

@@ -17,6 +17,7 @@ from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
 
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_ROOT_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 #: ZooKeeper formats the sequence as %010d: ten digits, or a sign and nine or ten digits.
 _SEQ_RE = re.compile(r"^(\d{10}|-\d{9,10})$")
@@ -29,6 +30,28 @@ def check_queue(name: str) -> str:
     if not isinstance(name, str) or not _QUEUE_RE.match(name):
         raise InvalidJob(f"bad queue name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
     return name
+
+
+def check_worker_name(name: str) -> str:
+    if not isinstance(name, str) or not _QUEUE_RE.match(name):
+        raise InvalidJob(
+            f"bad worker name {name!r}: use 1-64 letters, digits, '_', '.', '-' (no '/')"
+        )
+    return name
+
+
+def check_root(root: str) -> str:
+    """An absolute znode path of plain names, not ``/`` itself and not ZooKeeper's own
+    ``/zookeeper`` tree."""
+    parts = root.split("/")[1:] if isinstance(root, str) and root.startswith("/") else []
+    if not parts or not all(_ROOT_PART_RE.match(p) for p in parts):
+        raise ConfigurationError(
+            f"root must be an absolute znode path like /zkq (names of letters, digits, "
+            f"'_', '.', '-'), not {root!r}"
+        )
+    if parts[0] == "zookeeper":
+        raise ConfigurationError(f"root {root!r} is inside ZooKeeper's reserved /zookeeper tree")
+    return root
 
 
 def check_priority(priority: str) -> str:
@@ -94,9 +117,7 @@ class Layout:
     """Paths under one root. All methods are pure string builders."""
 
     def __init__(self, root: str = defaults.ROOT) -> None:
-        if not root.startswith("/") or (len(root) > 1 and root.endswith("/")) or "//" in root:
-            raise ConfigurationError(f"root must be an absolute znode path like /zkq, not {root!r}")
-        self.root = root if root != "/" else ""
+        self.root = check_root(root)
 
     def queues(self) -> str:
         return f"{self.root}/queues"

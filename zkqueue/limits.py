@@ -1,14 +1,18 @@
-"""Backpressure: a queue's maximum pending depth, stored on the queue's node so every producer
-obeys the same limit. Beyond it, submit fails fast with QueueFull (like an HTTP 429)."""
+"""A queue's limits, stored on the queue's node so every producer and worker obeys the same ones.
+
+``max_pending`` is backpressure: beyond it, submit fails fast with QueueFull (like an HTTP 429).
+``max_running`` caps the jobs of the queue running at once across all workers: the head of the
+line (the only claimer) claims no more than the cap leaves room for (``RunningCap``)."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import BadVersionError, NoNodeError
 
 from zkqueue import defaults
 from zkqueue.errors import InvalidJob, QueueFull
@@ -18,23 +22,37 @@ from zkqueue.layout import Layout
 _CACHE_SECONDS = 5.0
 
 
+#: The limits a queue may have, by field name.
+LIMITS = ("max_pending", "max_running")
+
+
 @dataclass(frozen=True)
 class QueueSettings:
-    """JSON data of <root>/queues/<queue>: {"max_pending": N} (absent or null: no limit)."""
+    """JSON data of <root>/queues/<queue>: {"max_pending": N, "max_running": M} (absent or
+    null: no limit)."""
 
     max_pending: int | None = None
+    max_running: int | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"max_pending": self.max_pending}).encode()
+        return json.dumps(
+            {"max_pending": self.max_pending, "max_running": self.max_running}
+        ).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> QueueSettings:
         try:
             raw = json.loads(data) if data else {}
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             return cls()
-        value = raw.get("max_pending") if isinstance(raw, dict) else None
-        return cls(max_pending=value if isinstance(value, int) and value > 0 else None)
+        if not isinstance(raw, dict):
+            return cls()
+        return cls(**{name: _limit(raw.get(name)) for name in LIMITS})
+
+
+def _limit(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
 
 
 class Limits:
@@ -57,11 +75,27 @@ class Limits:
         self._cache[queue] = (time.monotonic(), settings)
         return settings
 
+    def set(self, queue: str, **limits: int | None) -> QueueSettings:
+        """Change some limits (None removes one), keeping the others; returns the new settings.
+        A concurrent change is retried against the new version, never overwritten blindly."""
+        for name, value in limits.items():
+            if name not in LIMITS:
+                raise InvalidJob(f"unknown queue limit {name!r}")
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise InvalidJob(f"{name.replace('_', ' ')} must be at least 1 (or none)")
+        path = self.layout.queue(queue)
+        while True:
+            data, stat = self.zk.get(path)
+            settings = replace(QueueSettings.from_bytes(data), **limits)
+            try:
+                self.zk.set(path, settings.to_bytes(), version=stat.version)
+            except BadVersionError:
+                continue
+            self._cache.pop(queue, None)
+            return settings
+
     def set_max_pending(self, queue: str, max_pending: int | None) -> None:
-        if max_pending is not None and max_pending < 1:
-            raise InvalidJob("max pending must be at least 1 (or none for no limit)")
-        self.zk.set(self.layout.queue(queue), QueueSettings(max_pending).to_bytes())
-        self._cache.pop(queue, None)
+        self.set(queue, max_pending=max_pending)
 
     def waiting(self, queue: str) -> int:
         """Jobs not yet started: entries minus claims (one stat read each, pipelined)."""
@@ -86,3 +120,34 @@ def check_counts(queue: str, limit: int, waiting: int, adding: int = 1) -> None:
             f"queue {queue!r} is full: {waiting} jobs waiting, the limit is {limit}"
             f"{f' (this batch adds {adding})' if adding > 1 else ''}; try again later"
         )
+
+
+class RunningCap:
+    """A queue's ``max_running`` as the head of the line needs it: read once, then kept current
+    by a data watch on the queue's node, so a turn costs no read. ``invalidate`` after a
+    reconnect (watches may have been lost with the session)."""
+
+    def __init__(self, zk: KazooClient, layout: Layout, queue: str) -> None:
+        self.zk = zk
+        self.path = layout.queue(queue)
+        self._value: int | None = None
+        self._stale = True
+        zk.add_listener(self.invalidate)  # any connection change: re-read, re-arm the watch
+
+    def invalidate(self, _event: object = None) -> None:
+        self._stale = True
+
+    @property
+    def value(self) -> int | None:
+        if self._stale:
+            self._stale = False  # before the read: a change during it fires the watch again
+            try:
+                data, _ = self.zk.get(self.path, watch=self.invalidate)
+            except NoNodeError:
+                data = b""
+                self.zk.exists(self.path, watch=self.invalidate)
+            except BaseException:
+                self._stale = True
+                raise
+            self._value = QueueSettings.from_bytes(data).max_running
+        return self._value

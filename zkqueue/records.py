@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from zkqueue.errors import CorruptRecord
@@ -57,6 +58,14 @@ class ClaimBody:
         if record["partial"] is None:
             del record["partial"]
         return to_json(record)
+
+    @classmethod
+    def from_call(cls, call: Any) -> ClaimBody | None:
+        """The claim a pipelined read found (None: not running, or a claim zkq cannot read)."""
+        try:
+            return cls.from_bytes(call.get()[0])
+        except (NoNodeError, CorruptRecord):
+            return None
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "claim") -> ClaimBody:

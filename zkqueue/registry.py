@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -17,6 +18,8 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 from zkqueue.errors import ConfigurationError, CorruptRecord
 from zkqueue.layout import Layout
 from zkqueue.records import read_json
+
+log = logging.getLogger("zkq.registry")
 
 
 @dataclass
@@ -75,11 +78,18 @@ class Registry:
                 if stat is not None and stat.ephemeralOwner == self.zk.client_id[0]:
                     self.zk.set(self.path, self.record.to_bytes())
                     return
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise ConfigurationError(
                         f"worker name {self.record.id!r} is in use by a live worker"
                     ) from None
-                _wait_gone(self.zk, self.path, deadline - time.monotonic())
+                log.info(
+                    "worker name %s is held by a previous session; waiting up to %.0fs for it "
+                    "to expire",
+                    self.record.id,
+                    left,
+                )
+                _wait_gone(self.zk, self.path, left)
 
     def update(self) -> None:
         self.record.updated_at = time.time()

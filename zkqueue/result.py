@@ -74,6 +74,14 @@ class Result:
             raise ResultTooLarge(f"result record is {len(data)} bytes; the limit is {limit} bytes")
         return data
 
+    def to_bytes_or_failure(self) -> bytes:
+        """The record's JSON; one over the size limit becomes a failure that says so."""
+        try:
+            return self.to_bytes()
+        except ResultTooLarge as exc:
+            self.status, self.output, self.error = FAILED, "", str(exc)
+            return self.to_bytes()
+
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "result") -> Result:
         """Read a result written by any client; CorruptRecord (naming ``what``) when it is not

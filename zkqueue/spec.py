@@ -182,6 +182,7 @@ def _check_messages(value: Any) -> tuple[dict[str, str], ...]:
             raise InvalidJob(f"messages[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(message["content"], str):
             raise InvalidJob(f"messages[{i}].content must be a string")
+        check_utf8(f"messages[{i}].content", message["content"])
         checked.append({"role": message["role"], "content": message["content"]})
     return tuple(checked)
 
@@ -194,6 +195,7 @@ def _check_stop(value: Any) -> tuple[str, ...]:
     for s in value:
         if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
             raise InvalidJob(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        check_utf8("stop", s)
     return tuple(value)
 
 
@@ -206,6 +208,18 @@ def _check_str(name: str, value: Any) -> None:
         raise InvalidJob(f"{name} must be a string, not {type(value).__name__}")
     if not value.strip():
         raise InvalidJob(f"{name} must not be empty")
+    check_utf8(name, value)
+
+
+def check_utf8(name: str, value: str) -> None:
+    """Refuse text that cannot be written as UTF-8: bytes that were not UTF-8 reach Python as
+    lone surrogates (argv, ``surrogateescape``) or arrive as JSON escapes such as ``\\udcff``."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidJob(
+            f"{name} is not valid UTF-8 (bad character at position {exc.start})"
+        ) from None
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:

@@ -142,7 +142,7 @@ def run_top(
     (stdin by default) when it is a terminal."""
     console = console or _default_console()
     if once:
-        console.print(render(snapshot(client), hint=None))
+        console.print(render(snapshot(client), hint=None, size=(console.width, 10_000)))
         return
     with contextlib.suppress(KeyboardInterrupt), _Keys(keys or sys.stdin) as reader:
         _live(client, interval, console, reader)
@@ -170,7 +170,8 @@ def _live(client: Client, interval: float, console: Console, reader: _Keys) -> N
             while history[0].monotonic < snap.monotonic - RATE_WINDOW:
                 history.popleft()
             baseline = history[0] if history[0] is not snap else None
-            live.update(render(snap, baseline, note=note), refresh=True)
+            size = (console.width, console.height) if console.is_terminal else None
+            live.update(render(snap, baseline, note=note, size=size), refresh=True)
             if reader.quit_within(interval):
                 return
 

@@ -94,16 +94,77 @@ def render(
     *,
     note: str | None = None,
     hint: str | None = "q quits",
+    size: tuple[int, int] | None = None,
 ) -> RenderableType:
     """The whole frame: a header, the queues, the workers and the recent results. Pure: it reads
-    only the snapshots (``previous`` for throughput) and this host's clock."""
+    only the snapshots (``previous`` for throughput) and this host's clock. With ``size``
+    (columns, lines) the frame fits it: the least useful columns drop first, then rows."""
     now = time.time()
-    return Group(
-        _header(snap, note, hint),
+    width, height = size or (10_000, 10_000)
+    header = _header(snap, note, hint)
+    header.no_wrap, header.overflow = True, "ellipsis"
+    tables = [
         _queues_table(snap, throughput(snap, previous), now),
         _workers_table(snap, now),
         _results_table(snap, now),
+    ]
+    spare = height - len(header.plain.splitlines()) - len(tables) * _TABLE_LINES
+    shown = _share([len(rows) for _, _, rows in tables], spare)
+    return Group(
+        header,
+        *(
+            _fit(title, columns, rows[:n], width, len(rows) - n)
+            for (title, columns, rows), n in zip(tables, shown, strict=True)
+        ),
     )
+
+
+def _share(counts: list[int], lines: int) -> list[int]:
+    """Rows shown per table within ``lines``: one at a time to each table in turn, then a line
+    for the "N more" caption of each table cut short (taken from the longest)."""
+    shown = [0] * len(counts)
+    while lines > 0 and any(s < c for s, c in zip(shown, counts, strict=True)):
+        for i, count in enumerate(counts):
+            if lines > 0 and shown[i] < count:
+                shown[i], lines = shown[i] + 1, lines - 1
+    for i, count in enumerate(counts):
+        if shown[i] < count:
+            if lines > 0:
+                lines -= 1
+            else:
+                longest = max(range(len(shown)), key=lambda j: shown[j])
+                shown[longest] = max(shown[longest] - 1, 0)
+    return shown
+
+
+#: Lines a table takes besides its rows: title, borders, header and its rule.
+_TABLE_LINES = 5
+#: A column: name, rank (the highest rank drops first when the frame is too narrow), justify.
+Column = tuple[str, int, str]
+Row = list[Any]
+
+
+def _fit(title: str, columns: list[Column], rows: list[Row], width: int, hidden: int) -> Table:
+    """A table of the columns that fit ``width``, dropping the highest-ranked first."""
+    keep = list(range(len(columns)))
+
+    def need(indexes: list[int]) -> int:
+        return 1 + sum(3 + _width(columns[i][0], [r[i] for r in rows]) for i in indexes)
+
+    while len(keep) > 1 and need(keep) > width:
+        keep.remove(max(keep, key=lambda i: (columns[i][1], i)))
+    table = Table(title=title, title_justify="left")
+    for i in keep:
+        table.add_column(columns[i][0], justify=columns[i][2], no_wrap=True)  # type: ignore[arg-type]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    if hidden:
+        table.caption = f"{hidden} more not shown"
+    return table
+
+
+def _width(name: str, cells: list[Any]) -> int:
+    return max([len(name), *(len(c.plain if isinstance(c, Text) else str(c)) for c in cells)])
 
 
 def _header(snap: TopSnapshot, note: str | None, hint: str | None) -> Text:
@@ -119,62 +180,85 @@ def _header(snap: TopSnapshot, note: str | None, hint: str | None) -> Text:
     return text
 
 
-def _queues_table(snap: TopSnapshot, rates: dict[str, float | None], now: float) -> Table:
-    table = Table(title="queues", title_justify="left", expand=False)
-    table.add_column("queue")
-    for priority in defaults.PRIORITIES:
-        table.add_column(priority, justify="right")
-    for name in ("waiting", "running", "idle", "dead", "oldest waiting", "jobs/s"):
-        table.add_column(name, justify="right")
+def _queues_table(
+    snap: TopSnapshot, rates: dict[str, float | None], now: float
+) -> tuple[str, list[Column], list[Row]]:
+    columns: list[Column] = [("queue", 0, "left")]
+    columns += [(p, 4, "right") for p in defaults.PRIORITIES]
+    columns += [
+        ("waiting", 0, "right"),
+        ("running", 0, "right"),
+        ("idle", 3, "right"),
+        ("dead", 2, "right"),
+        ("oldest waiting", 1, "right"),
+        ("jobs/s", 1, "right"),
+    ]
+    rows = []
     for q in snap.cluster.queues:
         ages = {p: q.oldest_age(p, now) for p in defaults.PRIORITIES}
         oldest = max(((a, p) for p, a in ages.items() if a is not None), default=None)
         rate = rates.get(q.name)
-        table.add_row(
-            q.name,
-            *(str(q.depth[p]) for p in defaults.PRIORITIES),
-            str(q.total_waiting),
-            str(q.running),
-            str(q.idle_workers),
-            Text(str(q.dead), style="red" if q.dead else ""),
-            f"{format_age(oldest[0])} ({oldest[1]})" if oldest else "-",
-            "-" if rate is None else f"{rate:.2f}",
+        cap = f"/{q.max_running}" if q.max_running else ""
+        rows.append(
+            [
+                q.name,
+                *(str(q.depth[p]) for p in defaults.PRIORITIES),
+                str(q.total_waiting),
+                f"{q.running}{cap}",
+                str(q.idle_workers),
+                Text(str(q.dead), style="red" if q.dead else ""),
+                f"{format_age(oldest[0])} ({oldest[1]})" if oldest else "-",
+                "-" if rate is None else f"{rate:.2f}",
+            ]
         )
-    return table
+    return "queues (running/cap)", columns, rows
 
 
-def _workers_table(snap: TopSnapshot, now: float) -> Table:
-    table = Table(title="workers", title_justify="left")
-    for name in ("worker", "queue", "model", "device", "state", "slots", "kv cache"):
-        table.add_column(name)
-    table.add_column("running")
-    table.add_column("changed", justify="right")
+def _workers_table(snap: TopSnapshot, now: float) -> tuple[str, list[Column], list[Row]]:
+    columns: list[Column] = [
+        ("worker", 0, "left"),
+        ("queue", 1, "left"),
+        ("model", 3, "left"),
+        ("device", 4, "left"),
+        ("state", 1, "left"),
+        ("slots", 0, "left"),
+        ("kv cache", 5, "left"),
+        ("running", 2, "left"),
+        ("changed", 2, "right"),
+    ]
     workers = sorted(snap.cluster.workers, key=lambda w: (str(w.get("queue")), str(w.get("id"))))
+    rows = []
     for w in workers[:MAX_WORKER_ROWS]:
         info = w.get("runner_info") or {}
         beat = now - float(w.get("updated_at") or now)
-        table.add_row(
-            str(w.get("id")),
-            str(w.get("queue")),
-            str(info.get("model") or w.get("runner") or "-"),
-            str(info.get("device") or "-"),
-            Text(str(w.get("state")), style="yellow" if w.get("state") == "draining" else ""),
-            f"{w.get('slots_busy', 0)}/{w.get('slots_max', 0)}",
-            memory_bar(w.get("memory")),
-            _job_ids(w.get("running") or []),
-            f"{format_age(beat)} ago",
+        rows.append(
+            [
+                str(w.get("id")),
+                str(w.get("queue")),
+                str(info.get("model") or w.get("runner") or "-"),
+                str(info.get("device") or "-"),
+                Text(str(w.get("state")), style="yellow" if w.get("state") == "draining" else ""),
+                f"{w.get('slots_busy', 0)}/{w.get('slots_max', 0)}",
+                memory_bar(w.get("memory")),
+                _job_ids(w.get("running") or []),
+                f"{format_age(beat)} ago",
+            ]
         )
-    if len(workers) > MAX_WORKER_ROWS:
-        table.caption = f"{len(workers) - MAX_WORKER_ROWS} more worker(s) not shown"
-    return table
+    return "workers", columns, rows
 
 
-def _results_table(snap: TopSnapshot, now: float) -> Table:
-    table = Table(title="recent results", title_justify="left")
-    for name in ("finished", "id", "queue", "priority", "status", "worker", "run time"):
-        table.add_column(name)
-    for r in snap.recent:
-        table.add_row(
+def _results_table(snap: TopSnapshot, now: float) -> tuple[str, list[Column], list[Row]]:
+    columns: list[Column] = [
+        ("finished", 1, "left"),
+        ("id", 0, "left"),
+        ("queue", 2, "left"),
+        ("priority", 4, "left"),
+        ("status", 0, "left"),
+        ("worker", 3, "left"),
+        ("run time", 2, "left"),
+    ]
+    rows = [
+        [
             f"{format_age(now - r.finished)} ago",
             r.id,
             r.queue,
@@ -182,8 +266,10 @@ def _results_table(snap: TopSnapshot, now: float) -> Table:
             Text(r.status, style=_STATUS_STYLE.get(r.status, "yellow")),
             r.worker or "-",
             "-" if r.run_s is None else format_age(r.run_s),
-        )
-    return table
+        ]
+        for r in snap.recent
+    ]
+    return "recent results", columns, rows
 
 
 def memory_bar(cache: dict[str, Any] | None, width: int = _BAR) -> Text:

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from kazoo.client import KazooClient
 from transformers import ContinuousBatchingConfig, GenerationConfig
-from workers.model import BATCH_REQUESTS, load
 
 from workers.admission import Admission
 from workers.loop import Worker
+from workers.model import BATCH_REQUESTS, load
 from workers.options import WorkerOptions
 from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model

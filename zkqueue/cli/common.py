@@ -13,7 +13,7 @@ import click
 
 from zkqueue.client import Client
 from zkqueue.connection import ConnectionSettings
-from zkqueue.errors import ExitCode, ZkqError
+from zkqueue.errors import ExitCode, InvalidJob, ZkqError
 from zkqueue.result import Result
 from zkqueue.sizes import parse_size
 
@@ -33,15 +33,50 @@ class _Size(click.ParamType):
 
 
 SIZE = _Size()
+#: Seconds: more than zero (a timeout, an interval).
+SECONDS = click.FloatRange(min=0, min_open=True)
+#: A count: at least one.
+COUNT = click.IntRange(min=1)
 CONTEXT = {"auto_envvar_prefix": "ZKQ", "help_option_names": ["-h", "--help"]}
 
 
 _CONNECTION = ("session_timeout", "connect_timeout", "auth", "tls_ca", "tls_cert", "tls_key")
 
 
-def open_client(ctx: click.Context) -> Client:
+def open_client(ctx: click.Context, timeout: float | None = None) -> Client:
+    """A client for the group's settings; ``timeout`` (a command's --timeout) also bounds
+    connecting, so the command as a whole returns within it."""
     o = ctx.obj
-    return Client(o["zk"], o["root"], **{k: o[k] for k in _CONNECTION})
+    settings = {k: o[k] for k in _CONNECTION}
+    if timeout is not None:
+        settings["connect_timeout"] = min(settings["connect_timeout"], timeout)
+    return Client(o["zk"], o["root"], **settings)
+
+
+def checked(check: Callable[[str], str]) -> Callable[..., Any]:
+    """A click callback running a zkq name check (queue, worker name) as the option arrives:
+    a bad name is a usage error (exit 2) before anything connects."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None:
+            return value
+        try:
+            return check(value)
+        except InvalidJob as exc:
+            raise click.BadParameter(str(exc), ctx, param) from None
+
+    return callback
+
+
+def read_stdin() -> str:
+    """The prompt from stdin, which must be UTF-8 (a usage error otherwise)."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJob(
+            f"stdin is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
 
 
 def connection_settings(ctx: click.Context) -> ConnectionSettings:
@@ -58,7 +93,8 @@ def exit_for(record: Result) -> int:
 
 
 def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn zkq errors into a one-line message on stderr and the documented exit code."""
+    """Turn zkq errors into a one-line message on stderr and the documented exit code; Ctrl-C
+    into exit 130 (commands that wrote something say what before they get here)."""
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -67,5 +103,8 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
         except ZkqError as exc:
             click.echo(f"zkq: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("zkq: interrupted", err=True)
+            sys.exit(ExitCode.INTERRUPTED)
 
     return wrapper

@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from typing import Any, TextIO
+import time
+from typing import Any, BinaryIO, TextIO
 
 import click
 
 from zkqueue import defaults
-from zkqueue.cli.common import emit, exit_for, handles_errors, open_client
-from zkqueue.errors import ExitCode, JobTimeout
+from zkqueue.cli import batch
+from zkqueue.cli.common import (
+    COUNT,
+    SECONDS,
+    checked,
+    emit,
+    exit_for,
+    handles_errors,
+    open_client,
+    read_stdin,
+)
+from zkqueue.errors import ExitCode, Interrupted, JobTimeout
 from zkqueue.job import Job
+from zkqueue.layout import check_job_id, check_queue
 from zkqueue.result import Result
 
 
 @click.command()
-@click.argument("prompt", required=False, default="-")
+@click.argument("prompt", required=False, default=None)
 @click.option(
     "--priority",
     type=click.Choice(defaults.PRIORITIES),
     default=defaults.PRIORITY,
     show_default=True,
 )
-@click.option("--queue", default=defaults.QUEUE, show_default=True)
+@click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
 @click.option(
     "--max-new-tokens",
     type=int,
@@ -33,49 +44,55 @@ from zkqueue.result import Result
 @click.option("--detach", is_flag=True, help="Enqueue a persistent job and print its id.")
 @click.option(
     "--timeout",
-    type=float,
+    type=SECONDS,
     default=None,
-    help="Stop waiting after SECONDS; the request is withdrawn.",
+    help="Return within SECONDS whatever happens (connecting included); the request is withdrawn.",
 )
 @click.option("--temperature", type=float, default=None)
 @click.option("--top-p", type=float, default=None)
 @click.option("--seed", type=int, default=None)
-@click.option("--max-runtime", type=float, default=None, help="Seconds the job may run.")
+@click.option("--max-runtime", type=SECONDS, default=None, help="Seconds the job may run.")
 @click.option(
     "--queue-timeout",
-    type=float,
+    type=SECONDS,
     default=None,
     help="Seconds the job may wait to start before it expires.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--stream", is_flag=True, help="Print the output while it is generated.")
 @click.option(
+    "--require-worker",
+    is_flag=True,
+    help="Refuse (exit 5) when no registered worker serves the queue, instead of warning.",
+)
+@click.option(
     "--file",
     "file_",
-    type=click.File("r"),
+    type=click.File("rb"),
     default=None,
     help="Submit every line of a JSONL file (one job spec per line).",
 )
 @click.option(
     "--out",
     type=click.File("w"),
-    default="-",
+    default=None,
     help="With --file: write the results (JSONL, input order) here instead of stdout.",
 )
 @click.pass_context
 @handles_errors
 def submit(
     ctx: click.Context,
-    prompt: str,
+    prompt: str | None,
     priority: str,
     queue: str,
     max_new_tokens: int | None,
     detach: bool,
     timeout: float | None,
     as_json: bool,
-    file_: TextIO | None,
-    out: TextIO,
+    file_: BinaryIO | None,
+    out: TextIO | None,
     stream: bool,
+    require_worker: bool,
     **params: Any,
 ) -> None:
     """Submit PROMPT (or stdin with '-' or no PROMPT) and print the output.
@@ -87,79 +104,89 @@ def submit(
       zkq submit --detach "batch job"        # prints the job id
       zkq submit --file prompts.jsonl --out results.jsonl
     """
-    if file_ is not None:
-        if prompt != "-":
-            raise click.UsageError("give a PROMPT or --file, not both")
-        options = {"priority": priority, "queue": queue, "max_new_tokens": max_new_tokens}
-        sys.exit(_submit_file(ctx, file_, out, options, detach, timeout))
-    text = sys.stdin.read() if prompt == "-" else prompt
     extra = {k: v for k, v in params.items() if v is not None}
-    with open_client(ctx) as client:
-        job = client.submit(
-            text,
-            priority=priority,
-            queue=queue,
-            max_new_tokens=max_new_tokens,
+    _check_flags(prompt, file_, out, detach, timeout, stream, as_json, extra)
+    if file_ is not None:
+        options = {"priority": priority, "queue": queue, "max_new_tokens": max_new_tokens}
+        code = batch.submit_file(
+            ctx,
+            file_,
+            out or sys.stdout,
+            options,
             detach=detach,
-            **({"stream": True} if stream else {}),
-            **extra,
+            timeout=timeout,
+            require_worker=require_worker,
         )
-        if detach:
-            emit({"id": job.id}) if as_json else click.echo(job.id)
-            return
-        if stream and not as_json:
-            sys.exit(_print_stream(job, timeout))
-        record = job.result(timeout=timeout)
+        sys.exit(code)
+    if prompt is None and sys.stdin.isatty():
+        raise click.UsageError("give a PROMPT, '-' to read it from stdin, or --file")
+    text = read_stdin() if prompt in (None, "-") else prompt
+    deadline = None if timeout is None else time.monotonic() + timeout
+    job: Job | None = None
+    with open_client(ctx, timeout) as client:
+        try:
+            if require_worker:
+                batch.check_served(client, [queue], require=True)
+            job = client.submit(
+                text,
+                priority=priority,
+                queue=queue,
+                max_new_tokens=max_new_tokens,
+                detach=detach,
+                **({"stream": True} if stream else {}),
+                **extra,
+            )
+            batch.check_served(client, [queue], require=False)
+            if detach:
+                emit({"id": job.id}) if as_json else click.echo(job.id)
+                return
+            if stream and not as_json:
+                sys.exit(_print_stream(job, batch.left(deadline)))
+            record = job.result(timeout=batch.left(deadline))
+        except JobTimeout:
+            if job is None or timeout is None:
+                raise
+            raise JobTimeout(f"job {job.id} has no result after {timeout:g}s") from None
+        except KeyboardInterrupt:
+            raise Interrupted(_interrupted(job)) from None
     _print_result(record, as_json)
     sys.exit(exit_for(record))
 
 
-def _submit_file(
-    ctx: click.Context,
-    source: TextIO,
-    out: TextIO,
-    options: dict[str, Any],
+def _check_flags(
+    prompt: str | None,
+    file_: BinaryIO | None,
+    out: TextIO | None,
     detach: bool,
     timeout: float | None,
-) -> int:
-    """Bulk submit; exit 0, or 2 if a line was refused, or 1 if a job did not succeed."""
-    from rich.console import Console
-    from rich.progress import Progress
+    stream: bool,
+    as_json: bool,
+    extra: dict[str, Any],
+) -> None:
+    """Flags that conflict, or that do not apply to what was asked, are usage errors."""
+    if file_ is not None:
+        if prompt is not None:
+            raise click.UsageError("give a PROMPT or --file, not both")
+        if stream or as_json:
+            raise click.UsageError("--stream and --json do not apply to --file (it writes JSONL)")
+        if extra:
+            names = ", ".join("--" + k.replace("_", "-") for k in sorted(extra))
+            raise click.UsageError(f"{names}: put per-job parameters in each line of --file")
+    elif out is not None:
+        raise click.UsageError("--out applies only to --file")
+    if detach and timeout is not None:
+        raise click.UsageError("--timeout does not apply to --detach (nothing waits)")
+    if detach and stream:
+        raise click.UsageError("--stream and --detach conflict (a detached job is not watched)")
 
-    from zkqueue import bulk
 
-    with open_client(ctx) as client:
-        lines = bulk.read_lines(source, limit=client.max_spec_bytes)
-        for line in lines:
-            if line.error is not None:
-                click.echo(f"zkq: line {line.number}: {line.error}", err=True)
-        good = sum(1 for line in lines if line.spec is not None)
-        with Progress(console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("submitting", total=good)
-            bulk.submit_lines(
-                client, lines, detach=detach, **options, progress=lambda n: bar.advance(task, n)
-            )
-            if detach:
-                records = [
-                    {"line": x.number, "id": x.job.id}
-                    if x.job
-                    else {"line": x.number, "status": "invalid", "error": x.error}
-                    for x in lines
-                ]
-            else:
-                bar.update(task, description="waiting for results", completed=0)
-                records = []
-                for record in bulk.results(lines, timeout):
-                    records.append(record)
-                    bar.advance(task, 1 if "id" in record else 0)
-    for record in records:
-        out.write(json.dumps(record, default=str) + "\n")
-    out.flush()
-    if any(r.get("status") == "invalid" for r in records):
-        return ExitCode.USAGE
-    if not detach and any(r.get("status") != "succeeded" for r in records):
-        return ExitCode.JOB_FAILED
-    return ExitCode.OK
+def _interrupted(job: Job | None) -> str:
+    if job is None:
+        return "interrupted: nothing was submitted"
+    if job.detach:
+        return f"interrupted: job {job.id} was submitted and stays queued (zkq status {job.id})"
+    job.withdraw()
+    return f"interrupted: job {job.id} was submitted, then withdrawn; nothing else was submitted"
 
 
 def _print_stream(job: Job, timeout: float | None) -> int:
@@ -182,10 +209,12 @@ def _print_result(record: Result, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("job_id")
-@click.option("--queue", default=None, help="Only look in this queue.")
+@click.argument("job_id", callback=checked(check_job_id))
+@click.option(
+    "--queue", default=None, help="Only look in this queue.", callback=checked(check_queue)
+)
 @click.option("--wait", is_flag=True, help="Wait for the result.")
-@click.option("--timeout", type=float, default=None, help="With --wait: give up after SECONDS.")
+@click.option("--timeout", type=SECONDS, default=None, help="With --wait: give up after SECONDS.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
@@ -197,8 +226,16 @@ def result(
     timeout: float | None,
     as_json: bool,
 ) -> None:
-    """Print a job's result (exit 4 when it has none yet)."""
-    with open_client(ctx) as client:
+    """Print a job's result (exit 4 when it has none yet).
+
+    \b
+    Examples:
+      zkq result 8f3a2c1d9e4b7a60
+      zkq result 8f3a2c1d9e4b7a60 --wait --timeout 60 --json
+    """
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout applies only with --wait")
+    with open_client(ctx, timeout) as client:
         job = client.job(job_id, queue)
         try:
             record = job.result(timeout=timeout if wait else 0.0)
@@ -209,13 +246,21 @@ def result(
 
 
 @click.command()
-@click.argument("job_id")
-@click.option("--queue", default=None, help="Only look in this queue.")
+@click.argument("job_id", callback=checked(check_job_id))
+@click.option(
+    "--queue", default=None, help="Only look in this queue.", callback=checked(check_queue)
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
 def status(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) -> None:
-    """Print a job's state: pending (with its position), running, or its result status."""
+    """Print a job's state: pending (with its position), running, or how it ended (dead
+    letters included).
+
+    \b
+    Example:
+      zkq status 8f3a2c1d9e4b7a60 --json
+    """
     with open_client(ctx) as client:
         info = client.job(job_id, queue).info()
     if as_json:
@@ -230,12 +275,19 @@ def status(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) ->
 
 
 @click.command()
-@click.argument("job_id")
-@click.option("--queue", default=None, help="Only look in this queue.")
+@click.argument("job_id", callback=checked(check_job_id))
+@click.option(
+    "--queue", default=None, help="Only look in this queue.", callback=checked(check_queue)
+)
 @click.pass_context
 @handles_errors
 def cancel(ctx: click.Context, job_id: str, queue: str | None) -> None:
-    """Cancel a pending or running job (exit 1 if it had already ended)."""
+    """Cancel a pending or running job (exit 1 if it had already ended).
+
+    \b
+    Example:
+      zkq cancel 8f3a2c1d9e4b7a60
+    """
     with open_client(ctx) as client:
         if not client.job(job_id, queue).cancel():
             click.echo(f"zkq: job {job_id} had already ended", err=True)
@@ -244,13 +296,18 @@ def cancel(ctx: click.Context, job_id: str, queue: str | None) -> None:
 
 
 @click.command("ls")
-@click.option("--queue", default=defaults.QUEUE, show_default=True)
-@click.option("--limit", type=int, default=None, help="Show at most N jobs.")
+@click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
+@click.option("--limit", type=COUNT, default=None, help="Show at most N jobs.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
 def ls(ctx: click.Context, queue: str, limit: int | None, as_json: bool) -> None:
-    """List pending and running jobs in dispatch order."""
+    """List pending and running jobs in dispatch order.
+
+    \b
+    Example:
+      zkq ls --queue llama --limit 20
+    """
     with open_client(ctx) as client:
         rows = client.list(queue=queue, limit=limit)
     if as_json:

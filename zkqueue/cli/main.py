@@ -15,9 +15,10 @@ from typing import Any
 import click
 
 from zkqueue import defaults
-from zkqueue.cli import jobs, ops
-from zkqueue.cli.common import CONTEXT
-from zkqueue.errors import ExitCode
+from zkqueue.cli import jobs, ops, queues
+from zkqueue.cli.common import CONTEXT, SECONDS
+from zkqueue.errors import ConfigurationError, ExitCode
+from zkqueue.layout import check_root
 from zkqueue.logs import configure as configure_logging
 
 
@@ -38,7 +39,7 @@ from zkqueue.logs import configure as configure_logging
 )
 @click.option(
     "--session-timeout",
-    type=float,
+    type=SECONDS,
     default=defaults.SESSION_TIMEOUT,
     show_default=True,
     envvar="ZKQ_SESSION_TIMEOUT",
@@ -46,7 +47,7 @@ from zkqueue.logs import configure as configure_logging
 )
 @click.option(
     "--connect-timeout",
-    type=float,
+    type=SECONDS,
     default=defaults.CONNECT_TIMEOUT,
     show_default=True,
     envvar="ZKQ_CONNECT_TIMEOUT",
@@ -96,6 +97,11 @@ def cli(
       zkq status ID; zkq result ID --wait --timeout 60
     """
     configure_logging(log_level, log_format)
+    try:
+        check_root(root)
+    except ConfigurationError as exc:
+        click.echo(f"zkq: {exc}", err=True)
+        sys.exit(exc.exit_code)
     ctx.obj = {
         "zk": zk,
         "root": root,
@@ -115,7 +121,9 @@ for _command in (
     ops.workers,
     ops.dead,
     ops.requeue,
-    ops.queue_limit,
+    queues.queues,
+    queues.queue,
+    queues.queue_limit,
     ops.top,
     ops.metrics,
     ops.completion,
@@ -156,4 +164,15 @@ _add_plugins(cli)
 
 
 def main() -> None:
-    cli(prog_name="zkq")
+    """Run ``zkq``: a usage error is one line on stderr naming the command (exit 2), Ctrl-C
+    outside a command is exit 130."""
+    try:
+        code = cli.main(prog_name="zkq", standalone_mode=False)
+    except click.ClickException as exc:
+        where = exc.ctx.command_path if getattr(exc, "ctx", None) else "zkq"  # type: ignore[attr-defined]
+        click.echo(f"{where}: {exc.format_message()} (see {where} --help)", err=True)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("zkq: interrupted", err=True)
+        sys.exit(ExitCode.INTERRUPTED)
+    sys.exit(code if isinstance(code, int) else ExitCode.OK)

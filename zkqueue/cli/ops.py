@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import click
 
-from zkqueue.cli.common import emit, handles_errors, open_client
+from zkqueue.cli.common import SECONDS, checked, emit, handles_errors, open_client
+from zkqueue.layout import check_job_id, check_queue
 
 
 @click.command()
@@ -13,7 +14,14 @@ from zkqueue.cli.common import emit, handles_errors, open_client
 @click.pass_context
 @handles_errors
 def stats(ctx: click.Context, as_json: bool) -> None:
-    """Depth per queue and priority, running jobs, idle slots and workers."""
+    """Per queue: jobs waiting, running, the limits, depth by priority (running jobs included),
+    idle workers, results, dead letters; then the number of workers.
+
+    \b
+    Example:
+      zkq stats
+      zkq stats --json | jq '.queues.default.waiting'
+    """
     with open_client(ctx) as client:
         data = client.stats()
     if as_json:
@@ -21,8 +29,9 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         return
     for name, q in data["queues"].items():
         depth = " ".join(f"{p}={n}" for p, n in q["depth"].items())
+        limits = " ".join(f"{k}={q[k] or 'none'}" for k in ("max_pending", "max_running") if k in q)
         click.echo(
-            f"{name}: {depth}  pending={q['pending']} running={q['running']} "
+            f"{name}: waiting={q['pending']} running={q['running']} {limits}  ({depth})  "
             f"idle_workers={q['idle_workers']} results={q['results']} dead={q['dead']}"
         )
     click.echo(f"workers: {data['workers']}")
@@ -33,7 +42,13 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @handles_errors
 def workers(ctx: click.Context, as_json: bool) -> None:
-    """Registered workers: queue, runner, slots, memory, running jobs."""
+    """Registered workers: queue, runner, slots, memory, running jobs.
+
+    \b
+    Example:
+      zkq workers
+      zkq workers --json | jq -r '.[] | select(.state == "draining") | .id'
+    """
     with open_client(ctx) as client:
         records = client.workers()
     if as_json:
@@ -54,12 +69,18 @@ def workers(ctx: click.Context, as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--queue", default=None, help="Only this queue.")
+@click.option("--queue", default=None, help="Only this queue.", callback=checked(check_queue))
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
 def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
-    """List dead-lettered jobs with the reason (malformed entries, poison jobs)."""
+    """List dead-lettered jobs with the reason (malformed entries, poison jobs).
+
+    \b
+    Example:
+      zkq dead --queue llama
+      zkq dead --json | jq -r '.[].id' | xargs -n1 zkq requeue
+    """
     with open_client(ctx) as client:
         letters = client.dead(queue)
     if as_json:
@@ -70,9 +91,9 @@ def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("job_id", required=False)
+@click.argument("job_id", required=False, callback=checked(check_job_id))
 @click.option("--all", "all_", is_flag=True, help="Requeue every dead letter with a valid spec.")
-@click.option("--queue", default=None, help="Only this queue.")
+@click.option("--queue", default=None, help="Only this queue.", callback=checked(check_queue))
 @click.pass_context
 @handles_errors
 def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | None) -> None:
@@ -93,43 +114,30 @@ def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | Non
         click.echo("nothing to requeue", err=True)
 
 
-@click.command("queue-limit")
-@click.argument("queue")
-@click.option(
-    "--max-pending",
-    type=int,
-    default=None,
-    help="Most jobs that may wait in QUEUE (omit for no limit).",
-)
-@click.pass_context
-@handles_errors
-def queue_limit(ctx: click.Context, queue: str, max_pending: int | None) -> None:
-    """Set a queue's backpressure limit: beyond it submit fails fast (exit 5)."""
-    with open_client(ctx) as client:
-        client.set_max_pending(queue, max_pending)
-    click.echo(f"{queue}: max pending {max_pending or 'unlimited'}")
-
-
 @click.command()
-@click.option("--interval", type=float, default=2.0, show_default=True, help="Refresh, seconds.")
+@click.option("--interval", type=SECONDS, default=2.0, show_default=True, help="Refresh, seconds.")
 @click.option("--once", is_flag=True, help="Print one frame and exit (for pipes and scripts).")
 @click.pass_context
 @handles_errors
 def top(ctx: click.Context, interval: float, once: bool) -> None:
-    """Live view of queues, workers and recent results; q quits.
+    """Live view of queues, workers and recent results, fitted to the terminal (the least
+    useful columns drop first); q quits. Piped, it prints one plain snapshot.
 
     \b
     Example:
       zkq --zk zk1:2181 top --interval 1
+      zkq top --once > cluster.txt
     """
+    import sys
+
     from zkqueue.top import run_top
 
     with open_client(ctx) as client:
-        run_top(client, interval=interval, once=once)
+        run_top(client, interval=interval, once=once or not sys.stdout.isatty())
 
 
 @click.command()
-@click.option("--port", type=int, default=9464, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=9464, show_default=True)
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.pass_context
 @handles_errors

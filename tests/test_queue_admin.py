@@ -1,0 +1,152 @@
+"""Queues as a whole: the queue-wide running cap (enforced by the head of the line across every
+worker), limits shown and removed, the queue table, deleting a queue, dead letters in status and
+who a cancelled running job was running on."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from tests.conftest import wait_for
+from tests.runners import GateRunner
+from workers.runners.base import Outcome, RunningJob
+from workers.runners.echo import EchoRunner
+from zkqueue import Client
+from zkqueue.errors import ExitCode
+
+
+class Concurrency:
+    """Counts the jobs running at once across every runner that shares it."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+class CountingRunner(EchoRunner):
+    def __init__(self, counter: Concurrency) -> None:
+        super().__init__(delay=0.15)
+        self.counter = counter
+
+    def run_one(self, job: RunningJob) -> Outcome:
+        self.counter.enter()
+        try:
+            return super().run_one(job)
+        finally:
+            self.counter.leave()
+
+
+def _run_batch(client: Client, count: int) -> None:
+    jobs = client.submit_many([f"job {i}" for i in range(count)])
+    for job in jobs:
+        assert job.result(timeout=60).ok
+
+
+def test_max_running_caps_the_queue_across_all_workers(client: Client, start_worker) -> None:
+    counter = Concurrency()
+    client.set_limits("default", max_running=2)
+    for _ in range(5):
+        start_worker(CountingRunner(counter), slots=3)
+    _run_batch(client, 30)
+    assert counter.most == 2, f"{counter.most} jobs of the queue ran at once; the cap is 2"
+
+    # The head reads the cap from a watch: raising it reaches the running workers.
+    counter.most = 0
+    client.set_limits("default", max_running=None)
+    _run_batch(client, 30)
+    assert counter.most > 2
+
+
+def test_a_capped_queue_is_not_empty_for_a_burst_worker(client: Client, start_worker) -> None:
+    runner = GateRunner()
+    client.set_limits("default", max_running=1)
+    jobs = client.submit_many(["a", "b", "c"])
+    worker = start_worker(runner, slots=4, burst=True)
+    wait_for(lambda: runner.running, message="one job running")
+    info = client.stats()["queues"]["default"]
+    assert (info["running"], info["waiting"], info["max_running"]) == (1, 2, 1)
+    assert worker.thread.is_alive()  # capped is not empty: a burst worker keeps going
+    runner.gate.set()
+    for job in jobs:
+        assert job.result(timeout=30).ok
+
+
+def test_limits_from_the_command_line(zkq, client: Client, start_worker) -> None:
+    start_worker(EchoRunner(), name="w1", queue="llama")
+    out = zkq("queue-limit", "llama", "--max-running", "3", "--max-pending", "50")
+    assert out.returncode == 0 and "max pending 50, max running 3" in out.stdout, out.stderr
+    assert "max pending 50, max running 3" in zkq("queue-limit", "llama").stdout
+    assert "waiting=0 running=0 max_pending=50 max_running=3" in zkq("stats").stdout
+    rows = json.loads(zkq("queues", "--json").stdout)
+    assert [(r["queue"], r["workers"], r["max_running"]) for r in rows] == [("llama", ["w1"], 3)]
+    assert "w1" in zkq("queues").stdout
+    out = zkq("queue-limit", "llama", "--max-running", "none")
+    assert "max pending 50, max running unlimited" in out.stdout
+    out = zkq("queue-limit", "llama", "none")
+    assert "max pending unlimited, max running unlimited" in out.stdout
+
+
+def test_submit_warns_when_no_worker_serves_the_queue(zkq, start_worker) -> None:
+    out = zkq("submit", "--detach", "--queue", "nobody", "x")
+    assert out.returncode == 0
+    assert "no registered worker serves queue 'nobody'" in out.stderr
+    start_worker(EchoRunner(), queue="somebody")
+    out = zkq("submit", "--require-worker", "--queue", "somebody", "x")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "x\n", "")
+
+
+def test_queue_delete(zkq, client: Client) -> None:
+    job = client.submit("x", detach=True, queue="scratch")
+    out = zkq("queue", "delete", "scratch")
+    assert out.returncode == ExitCode.QUEUE_FULL and "1 waiting" in out.stderr
+    out = zkq("queue", "delete", "scratch", "--force")
+    assert out.returncode == 0 and "deleted queue scratch" in out.stdout, out.stderr
+    assert client.queue_names() == []
+    assert zkq("status", job.id).returncode == ExitCode.NOT_FOUND
+
+
+def test_status_knows_dead_letters(zkq, client: Client) -> None:
+    client.ensure_queue("default")
+    layout = client.layout
+    job_id = "deadbeef00000001"
+    client.zk.create(layout.entry_prefix("default", "normal", job_id), b"{bad", sequence=True)
+    from zkqueue.claims import Claims
+
+    claims = Claims(client.zk, layout, "default", "test", lease=60)
+    name = client.zk.get_children(layout.pending("default", "normal"))[0]
+    data, stat = client.zk.get(layout.entry("default", "normal", name))
+    assert claims.dead_letter("normal", name, data, stat, "invalid job spec", job_id)
+    client.zk.delete(layout.result("default", job_id))  # retention removed the result
+    out = zkq("status", job_id, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["state"] == "dead"
+
+
+def test_cancelled_running_job_says_where_it_ran(client: Client, start_worker) -> None:
+    runner = GateRunner()
+    start_worker(runner, name="w9")
+    job = client.submit("x", detach=True)
+    wait_for(lambda: runner.running, message="running")
+    assert job.cancel()
+    record = job.result(timeout=10)
+    assert record.status == "cancelled" and record.worker == "w9"
+    assert record.started_at is not None and "while running on w9" in (record.error or "")
+
+
+def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:
+    client.ensure_queue("default")
+    out = zkq("janitor", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "reclaimed 0 lapsed lease(s)" in out.stdout and "removed 0 result(s)" in out.stdout
+    report = json.loads(zkq("janitor", "--once", "--json").stdout)
+    assert report == {"reclaimed": [], "expired": [], "results_removed": 0}

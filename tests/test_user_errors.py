@@ -1,0 +1,306 @@
+"""Every edge a user touches, as one table: each bad input (and the ones users try next), the exit
+code and the message, run through the ``zkq`` command against a real ZooKeeper. Every message
+is one line on stderr, without a traceback. README's exit-code table is checked against
+zkqueue.errors.ExitCode and against the codes asserted here."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from kazoo.security import make_digest_acl
+
+from tests.conftest import ZKQ, _env, wait_for
+from zkqueue import Client
+from zkqueue.errors import ExitCode
+
+ROOT = Path(__file__).resolve().parents[1]
+ID = "0123456789abcdef"
+Setup = Callable[[Client, Path, str], dict[str, str]]
+
+
+def _bulk_file(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    path = tmp / "jobs.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    return {"{file}": str(path)}
+
+
+def _detached(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    return {"{id}": client.submit("waits", detach=True).id}
+
+
+def _cancelled(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    job = client.submit("x", detach=True)
+    job.cancel()
+    return {"{id}": job.id}
+
+
+def _corrupt_result(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    client.ensure_queue("default")
+    client.zk.create(client.layout.result("default", ID), b"not json {")
+    return {"{id}": ID}
+
+
+def _owned_root(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    client.zk.create(root, acl=[make_digest_acl("alice", "secret", all=True)])
+    return {}
+
+
+def _full_queue(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    client.set_max_pending("default", 1)
+    client.submit("first", detach=True)
+    return {}
+
+
+class Case(NamedTuple):
+    args: tuple[str, ...]
+    code: int
+    message: str
+    stdin: bytes | None = None
+    setup: Setup | None = None
+
+
+U, NF, CFG = ExitCode.USAGE, ExitCode.NOT_FOUND, ExitCode.CONFIG
+CASES: dict[str, Case] = {
+    # -- the prompt ---------------------------------------------------------------------------
+    "empty prompt": Case(("submit", ""), U, "prompt must not be empty"),
+    "blank prompt": Case(("submit", "  \n"), U, "prompt must not be empty"),
+    "argv not UTF-8": Case(("submit", "caf\udce9"), U, "prompt is not valid UTF-8"),
+    "stdin not UTF-8": Case(("submit", "-"), U, "stdin is not valid UTF-8", b"caf\xe9\n"),
+    "stdin empty": Case(("submit", "-"), U, "prompt must not be empty", b""),
+    "bulk line not UTF-8": Case(
+        ("submit", "--detach", "--file", "-"), U, "line 2: not valid UTF-8", b'"a"\n\xff\n'
+    ),
+    "bulk line not JSON": Case(("submit", "--detach", "--file", "-"), U, "line 1:", b"{oops\n"),
+    # -- job options --------------------------------------------------------------------------
+    "unknown priority": Case(("submit", "--priority", "urgent", "x"), U, "'urgent' is not one of"),
+    "zero tokens": Case(("submit", "--max-new-tokens", "0", "x"), U, "max_new_tokens must be"),
+    "tokens not a number": Case(("submit", "--max-new-tokens", "many", "x"), U, "not a valid"),
+    "too many tokens": Case(("submit", "--max-new-tokens", "10000000", "x"), U, "between 1 and"),
+    "temperature too high": Case(("submit", "--temperature", "500", "x"), U, "temperature must"),
+    "top-p zero": Case(("submit", "--top-p", "0", "x"), U, "top_p must be above 0"),
+    "zero max runtime": Case(("submit", "--max-runtime", "0", "x"), U, "range x>0"),
+    "negative queue timeout": Case(("submit", "--queue-timeout", "-1", "x"), U, "range x>0"),
+    "huge spec": Case(("submit", "-"), U, "the limit is 65536 bytes", b"x" * 70_000),
+    # -- names --------------------------------------------------------------------------------
+    "queue with slash": Case(("submit", "--queue", "a/b", "x"), U, "bad queue name 'a/b'"),
+    "empty queue": Case(("submit", "--queue", "", "x"), U, "bad queue name ''"),
+    "queue with space": Case(("ls", "--queue", "my queue"), U, "bad queue name"),
+    "queue dot-dot": Case(("dead", "--queue", ".."), U, "bad queue name '..'"),
+    "bad job id": Case(("status", "bad id!"), U, "bad job id"),
+    "job id with slash": Case(("cancel", "../x"), U, "bad job id"),
+    "worker name with slash": Case(("worker", "--name", "a/b"), U, "bad worker name 'a/b'"),
+    "worker queue bad": Case(("worker", "--queue", "a b"), U, "bad queue name"),
+    "relative root": Case(("--root", "zkq", "stats"), CFG, "root must be an absolute"),
+    "root slash": Case(("--root", "/", "stats"), CFG, "root must be an absolute"),
+    "root double slash": Case(("--root", "/a//b", "stats"), CFG, "root must be an absolute"),
+    "root trailing slash": Case(("--root", "/zkq/", "stats"), CFG, "root must be an absolute"),
+    "root zookeeper": Case(("--root", "/zookeeper", "stats"), CFG, "reserved /zookeeper"),
+    "root under zookeeper": Case(("--root", "/zookeeper/quota", "stats"), CFG, "reserved"),
+    # -- timeouts and numbers -----------------------------------------------------------------
+    "zero timeout": Case(("submit", "--timeout", "0", "x"), U, "range x>0"),
+    "negative timeout": Case(("submit", "--timeout", "-3", "x"), U, "range x>0"),
+    "timeout not a number": Case(("submit", "--timeout", "soon", "x"), U, "not a valid float"),
+    "zero session timeout": Case(("--session-timeout", "0", "stats"), U, "range x>0"),
+    "zero connect timeout": Case(("--connect-timeout", "0", "stats"), U, "range x>0"),
+    "result zero timeout": Case(("result", ID, "--wait", "--timeout", "0"), U, "range x>0"),
+    "ls limit zero": Case(("ls", "--limit", "0"), U, "range x>=1"),
+    "top interval zero": Case(("top", "--interval", "0"), U, "range x>0"),
+    "zero slots": Case(("worker", "--max-concurrency", "0"), U, "range x>=1"),
+    "zero lease": Case(("worker", "--lease", "0"), U, "range x>0"),
+    "negative heartbeat": Case(("worker", "--heartbeat-interval", "-1"), U, "range x>0"),
+    "zero max jobs": Case(("worker", "--max-jobs", "0"), U, "range x>=1"),
+    "janitor interval zero": Case(("janitor", "--interval", "0"), U, "range x>0"),
+    "metrics port zero": Case(("metrics", "--port", "0"), U, "range 1<=x<=65535"),
+    "limit zero": Case(("queue-limit", "q", "--max-pending", "0"), U, "below 1"),
+    "limit not a number": Case(("queue-limit", "q", "--max-running", "x"), U, "or 'none'"),
+    # -- flags that conflict or do not apply ---------------------------------------------------
+    "detach with timeout": Case(("submit", "--detach", "--timeout", "5", "x"), U, "--detach"),
+    "detach with stream": Case(("submit", "--detach", "--stream", "x"), U, "conflict"),
+    "out without file": Case(("submit", "--out", "o.jsonl", "x"), U, "--out applies only"),
+    "prompt and file": Case(("submit", "--file", "{file}", "x"), U, "not both", None, _bulk_file),
+    "file with stream": Case(
+        ("submit", "--file", "{file}", "--stream"), U, "do not apply to --file", None, _bulk_file
+    ),
+    "file with sampling": Case(
+        ("submit", "--file", "{file}", "--temperature", "1"), U, "each line", None, _bulk_file
+    ),
+    "missing file": Case(("submit", "--file", "/nonexistent.jsonl"), U, "No such file"),
+    "result timeout no wait": Case(("result", ID, "--timeout", "5"), U, "only with --wait"),
+    "requeue nothing": Case(("requeue",), U, "give a job id or --all"),
+    "requeue both": Case(("requeue", ID, "--all"), U, "give a job id or --all"),
+    "limit none and value": Case(("queue-limit", "q", "none", "--max-pending", "3"), U, "not both"),
+    "janitor json no once": Case(("janitor", "--json"), U, "only with --once"),
+    "unknown command": Case(("frobnicate",), U, "No such command"),
+    "unknown option": Case(("submit", "--priorty", "high", "x"), U, "No such option"),
+    "unknown shell": Case(("completion", "tcsh"), U, "'tcsh' is not one of"),
+    # -- things that are not there ------------------------------------------------------------
+    "status of nothing": Case(("status", ID), NF, f"no job {ID}"),
+    "result of nothing": Case(("result", ID), NF, f"no job {ID}"),
+    "cancel nothing": Case(("cancel", ID, "--queue", "default"), NF, "no job"),
+    "requeue nothing dead": Case(("requeue", ID), NF, f"no dead letter for job {ID}"),
+    "delete no queue": Case(("queue", "delete", "nosuch"), NF, "no queue 'nosuch'"),
+    # -- the state of the queue ---------------------------------------------------------------
+    "no worker required": Case(
+        ("submit", "--require-worker", "x"), ExitCode.QUEUE_FULL, "no registered worker serves"
+    ),
+    "queue full": Case(
+        ("submit", "--detach", "x"), ExitCode.QUEUE_FULL, "is full", None, _full_queue
+    ),
+    "delete busy queue": Case(
+        ("queue", "delete", "default"), ExitCode.QUEUE_FULL, "--force", None, _detached
+    ),
+    "no result yet": Case(
+        ("result", "{id}"), ExitCode.TIMEOUT, "has no result yet", None, _detached
+    ),
+    "cancel twice": Case(
+        ("cancel", "{id}"), ExitCode.JOB_FAILED, "already ended", None, _cancelled
+    ),
+    "corrupt result": Case(
+        ("result", "{id}"), ExitCode.CORRUPT, "is not valid JSON", None, _corrupt_result
+    ),
+    # -- connection and security ---------------------------------------------------------------
+    "unreachable": Case(
+        ("--zk", "127.0.0.1:1", "--connect-timeout", "1", "stats"),
+        ExitCode.UNAVAILABLE,
+        "cannot reach ZooKeeper at 127.0.0.1:1 within 1s",
+    ),
+    "auth without password": Case(("--auth", "alice", "stats"), CFG, "USER:PASSWORD"),
+    "tls file missing": Case(("--tls-ca", "/nonexistent.pem", "stats"), CFG, "no such file"),
+    "tls cert without key": Case(("--tls-cert", "/etc/hostname", "stats"), CFG, "go together"),
+    "hf without model": Case(("worker", "--runner", "hf"), CFG, "needs --model"),
+    "another identity": Case(
+        ("--auth", "bob:pw", "submit", "--detach", "x"),
+        ExitCode.DENIED,
+        "denied access",
+        None,
+        _owned_root,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_user_error(name: str, zkq, client: Client, tmp_path: Path, root: str) -> None:
+    case = CASES[name]
+    subs = case.setup(client, tmp_path, root) if case.setup else {}
+    args = [subs.get(a, a) for a in case.args]
+    if "--zk" in args:  # the case names its own ensemble: put it before the fixture's
+        out = zkq(*args[2:], zk=args[1], input=case.stdin or b"")
+    else:
+        out = zkq(*args, input=case.stdin if case.stdin is not None else b"")
+    assert out.returncode == case.code, (args, out.stdout, out.stderr)
+    assert case.message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 or name.startswith("bulk"), out.stderr
+
+
+def test_bulk_file_reports_bad_lines_and_submits_the_rest(zkq, client: Client) -> None:
+    data = b'{"prompt": "one"}\n\xff\xfe\n{"prompt": ""}\n"caf\\udce9"\n{"prompt": "two"}\n'
+    out = zkq("submit", "--detach", "--file", "-", input=data)
+    assert out.returncode == ExitCode.USAGE, out.stderr
+    refused = {2: "not valid UTF-8", 3: "prompt must not be empty", 4: "prompt is not valid UTF-8"}
+    for line, why in refused.items():
+        assert f"zkq: line {line}: {why}" in out.stderr
+    records = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r.get("status") for r in records] == [None, "invalid", "invalid", "invalid", None]
+    assert len(client.list()) == 2  # the good lines went through
+
+
+def test_python_api_refuses_text_that_is_not_utf8(client: Client) -> None:
+    from zkqueue.errors import InvalidJob
+
+    for bad in ("caf\udce9", {"prompt": "x", "stop": ["\udcff"]}):
+        with pytest.raises(InvalidJob, match="not valid UTF-8"):
+            if isinstance(bad, str):
+                client.submit(bad)
+            else:
+                client.submit_many([bad])
+    assert client.list() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "said"),
+    [
+        (["waits"], "", "job {id} was submitted, then withdrawn"),
+        (
+            ["--file", "-"],
+            '{"prompt": "one"}\n{"prompt": "two"}\n',
+            "2 of 2 job(s) were submitted, up to line 2; they were attached and are withdrawn",
+        ),
+    ],
+)
+def test_ctrl_c_says_what_was_submitted(
+    args: list[str], stdin: str, said: str, hosts: str, root: str, client: Client
+) -> None:
+    proc = subprocess.Popen(
+        [*ZKQ, "--zk", hosts, "--root", root, "submit", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(stdin)
+    proc.stdin.close()
+    rows = wait_for(lambda: len(client.list()) == len(stdin.splitlines() or [1]) and client.list())
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert proc.returncode == ExitCode.INTERRUPTED, err
+    assert said.format(id=rows[0]["id"]) in err and "Traceback" not in err, err
+    wait_for(lambda: not client.list(), message="the attached requests withdrawn")
+
+
+# -- README's exit codes -------------------------------------------------------------------
+
+#: Codes other tests of this file assert: the timeouts (tests/test_timeouts.py asserts 4 and 6
+#: too) and Ctrl-C.
+ELSEWHERE = {ExitCode.OK, ExitCode.TIMEOUT, ExitCode.INTERRUPTED}
+
+
+def readme_exit_codes() -> dict[int, str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    return {int(c): m for c, m in re.findall(r"^\| (\d+) \| (.+) \|$", section, re.MULTILINE)}
+
+
+def test_readme_exit_codes_match_the_code_and_this_table() -> None:
+    documented = readme_exit_codes()
+    codes = {v for k, v in vars(ExitCode).items() if k.isupper()}
+    assert set(documented) == codes
+    asserted = {case.code for case in CASES.values()} | ELSEWHERE
+    assert asserted <= codes
+    assert codes - asserted == {ExitCode.INTERNAL}, "a documented code no test asserts"
+
+
+def test_every_command_help_has_an_example() -> None:
+    import click
+
+    from zkqueue.cli.main import cli
+
+    def commands(group: click.Group, path: str) -> list[tuple[str, click.Command]]:
+        found = []
+        for name, command in group.commands.items():
+            found.append((f"{path} {name}", command))
+            if isinstance(command, click.Group):
+                found += commands(command, f"{path} {name}")
+        return found
+
+    def example(command: click.Command) -> bool:
+        text = command.help or ""
+        # A plugin whose package is not installed here stands in with a one-line hint.
+        return text.startswith("(not installed") or "zkq " in text.split("xample")[-1]
+
+    missing = [p for p, c in commands(cli, "zkq") if not example(c)]
+    assert "Example" in (cli.help or "")
+    assert missing == [], f"--help without an example: {missing}"

@@ -1,0 +1,149 @@
+"""Queue commands: ``queues`` (every queue with its workers, limits and depth), ``queue delete``
+and ``queue-limit`` (show, set or remove a queue's limits)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from zkqueue.cli.common import checked, emit, handles_errors, open_client
+from zkqueue.layout import check_queue
+from zkqueue.limits import LIMITS, QueueSettings
+
+_NONE = ("none", "unlimited")
+
+
+class _Limit(click.ParamType):
+    """A limit: a count of at least 1, or ``none`` to remove it."""
+
+    name = "N|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None or isinstance(value, int):
+            return value
+        if str(value).lower() in _NONE:
+            return "none"
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number or 'none'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is below 1 (use 'none' to remove the limit)", param, ctx)
+        return number
+
+
+LIMIT = _Limit()
+
+
+def _limits_text(settings: QueueSettings | dict[str, Any]) -> str:
+    get = settings.get if isinstance(settings, dict) else lambda k: getattr(settings, k)
+    parts = [f"{k.replace('_', ' ')} {get(k) or 'unlimited'}" for k in LIMITS]
+    return ", ".join(parts)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def queues(ctx: click.Context, as_json: bool) -> None:
+    """List every queue: the workers serving it, its limits, waiting and running jobs.
+
+    \b
+    Example:
+      zkq queues
+      zkq queues --json | jq '.[] | select(.workers == [])'
+    """
+    with open_client(ctx) as client:
+        rows = client.queues()
+    if as_json:
+        emit(rows)
+        return
+    if not rows:
+        click.echo("no queues")
+        return
+    click.echo(f"{'QUEUE':<16} {'WAITING':>7} {'RUNNING':>7} {'DEAD':>5}  LIMITS / WORKERS")
+    for r in rows:
+        workers = ", ".join(r["workers"]) or "no worker"
+        click.echo(
+            f"{r['queue']:<16} {r['waiting']:>7} {r['running']:>7} {r['dead']:>5}  "
+            f"{_limits_text(r)}; {workers}"
+        )
+
+
+@click.group()
+def queue() -> None:
+    """Manage one queue.
+
+    \b
+    Example:
+      zkq queue delete scratch
+    """
+
+
+@queue.command("delete")
+@click.argument("name", callback=checked(check_queue))
+@click.option("--force", is_flag=True, help="Delete even while jobs wait or run.")
+@click.pass_context
+@handles_errors
+def delete(ctx: click.Context, name: str, force: bool) -> None:
+    """Delete queue NAME with its results and dead letters (refused while jobs wait or run,
+    exit 5, unless --force).
+
+    \b
+    Example:
+      zkq queue delete scratch
+      zkq queue delete scratch --force     # running jobs' results are lost
+    """
+    with open_client(ctx) as client:
+        stats = client.delete_queue(name, force=force)
+    click.echo(
+        f"deleted queue {name} ({stats['waiting']} waiting, {stats['running']} running, "
+        f"{stats['results']} results, {stats['dead']} dead letters)"
+    )
+
+
+@click.command("queue-limit")
+@click.argument("name", metavar="QUEUE", callback=checked(check_queue))
+@click.argument("clear", metavar="[none]", required=False, type=click.Choice(_NONE))
+@click.option("--max-pending", type=LIMIT, default=None, help="Most jobs that may wait.")
+@click.option(
+    "--max-running",
+    type=LIMIT,
+    default=None,
+    help="Most jobs of the queue running at once, across all workers.",
+)
+@click.pass_context
+@handles_errors
+def queue_limit(
+    ctx: click.Context,
+    name: str,
+    clear: str | None,
+    max_pending: int | str | None,
+    max_running: int | str | None,
+) -> None:
+    """Show QUEUE's limits, set them, or remove them all with 'none'. Beyond max pending, submit
+    fails fast (exit 5); beyond max running, jobs wait for a running one to end.
+
+    \b
+    Examples:
+      zkq queue-limit llama                       # show
+      zkq queue-limit llama --max-pending 1000 --max-running 8
+      zkq queue-limit llama --max-running none    # remove one
+      zkq queue-limit llama none                  # remove both
+    """
+    given = {k: v for k, v in (("max_pending", max_pending), ("max_running", max_running)) if v}
+    if clear and given:
+        raise click.UsageError("give 'none' or --max-pending/--max-running, not both")
+    changes = dict.fromkeys(LIMITS) if clear else {k: _value(v) for k, v in given.items()}
+    with open_client(ctx) as client:
+        if changes:
+            settings = client.set_limits(name, **changes)
+        else:
+            with client.mapped():
+                settings = client.limits.settings(name)
+    click.echo(f"{name}: {_limits_text(settings)}")
+
+
+def _value(value: int | str) -> int | None:
+    return None if value == "none" else int(value)
