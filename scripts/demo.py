@@ -50,9 +50,15 @@ def wait_registered(client: Client, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def print_table(records: list[Result]) -> None:
+def print_table(records: list[Result], random_model: bool) -> None:
     """One line per job in the order the worker started them."""
     print("\n(wait counts from submission, before the worker had loaded its model)")
+    if random_model:
+        print(
+            "(the tiny model has random weights, so its words are noise: what to read here is\n"
+            " the order - high before normal before low, first come first served inside each -\n"
+            " the waits and run times, and that every job ended with a result)"
+        )
     print(
         f"{'order':>5}  {'priority':<8} {'status':<10} {'wait s':>7} {'run s':>6} "
         f"{'tokens':>6}  output"
@@ -63,8 +69,13 @@ def print_table(records: list[Result]) -> None:
         tokens = r.get("output_tokens", "-")
         print(
             f"{n:>5}  {r.priority:<8} {r.status:<10} {wait:7.2f} {run:6.2f} {tokens:>6}  "
-            f"{r.output[:40]!r}"
+            f"{printable(r.output)[:40]}"
         )
+
+
+def printable(text: str) -> str:
+    """The output as one readable line: control and unprintable characters shown as dots."""
+    return "".join(c if c.isprintable() else "·" for c in text)
 
 
 def worker_command(opts: argparse.Namespace, work: Path) -> list[str]:
@@ -109,7 +120,7 @@ def main() -> None:
             info = client.workers()[0]
             print(f"demo: worker {info['id']} registered: {info['runner_info']}")
             records = sorted((j.result(timeout=300) for j in jobs), key=lambda r: r.started_at)
-            print_table(records)
+            print_table(records, random_model=not opts.echo and opts.model is None)
             cli = subprocess.run(
                 [
                     sys.executable,

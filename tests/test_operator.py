@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
-from tests.conftest import wait_for
+from tests.conftest import ZKQ, _env, wait_for
 from zkqueue import Client
 from zkqueue.errors import ExitCode
 
 
-def test_bulk_submit_writes_results_in_input_order(
+def test_bulk_submit_writes_a_record_for_every_line(
     zkq, spawn_worker, tmp_path: Path, client: Client
 ) -> None:
     spawn_worker("--runner", "echo", "--max-concurrency", "4")
@@ -27,7 +28,8 @@ def test_bulk_submit_writes_results_in_input_order(
     out = zkq("submit", "--file", str(source), "--out", str(tmp_path / "out.jsonl"))
     assert out.returncode == ExitCode.USAGE, out.stderr
     assert "line 2:" in out.stderr and "line 5: prompt must not be empty" in out.stderr
-    records = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    written = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    records = sorted(written, key=lambda r: r["line"])
     assert [r["line"] for r in records] == [1, 2, 3, 5, 6]
     assert [r.get("output") for r in records] == ["first", None, "second", None, "third"]
     assert [r["status"] for r in records] == [
@@ -38,6 +40,28 @@ def test_bulk_submit_writes_results_in_input_order(
         "succeeded",
     ]
     assert records[0]["priority"] == "low" and records[2]["priority"] == "high"
+
+
+def test_bulk_results_are_written_as_the_jobs_end(
+    hosts: str, root: str, start_worker, tmp_path: Path, client: Client
+) -> None:
+    """The high-priority line runs first, so its record comes first, whatever the input order;
+    each record is on disk as soon as its job ends."""
+    source = tmp_path / "p.jsonl"
+    rows = [{"prompt": "later", "priority": "low"}, {"prompt": "sooner", "priority": "high"}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    cmd = [*ZKQ, "--zk", hosts, "--root", root, "submit", "--file", str(source), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: len(client.list()) == 2, timeout=30, message="both lines pending")
+        start_worker(slots=1)
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["line"], r["output"]) for r in records] == [(2, "sooner"), (1, "later")]
 
 
 def test_bulk_submit_detached_prints_ids(zkq, tmp_path: Path, client: Client) -> None:

@@ -1,10 +1,11 @@
 """Bulk submission from a JSONL file: one job per line (fields as in docs/PROTOCOL.md, plus
-``priority`` and ``queue``), pipelined, results written back in input order. A bad line is
-reported with its number and the rest still goes through."""
+``priority`` and ``queue``), pipelined, results written back as the jobs end (each record names
+its input line). A bad line is reported with its number and the rest still goes through."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from zkqueue.client import Client
 from zkqueue.errors import InvalidJob, JobTimeout, JobWithdrawn
 from zkqueue.job import Job
 from zkqueue.spec import parse_submission
+
+#: Seconds between reads while no result watch fires (watches are hints).
+_RECHECK = 2.0
 
 
 @dataclass
@@ -83,16 +87,49 @@ def _not_utf8(data: bytes, exc: UnicodeDecodeError) -> str:
 
 
 def results(lines: list[Line], timeout: float | None) -> Iterator[dict[str, Any]]:
-    """One JSON record per line, in input order: the result, or the line's error. ``timeout``
-    bounds the whole wait, not each job's."""
+    """One JSON record per line, as the jobs end (refused lines first): the result, or the
+    line's error. ``timeout`` bounds the whole wait, not each job's. One watch per result node
+    says when it appears; every round reads what is new in one pipelined round trip."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    waiting: dict[str, Line] = {}
     for line in lines:
         if line.job is None:
             yield {"line": line.number, "status": "invalid", "error": line.error}
-            continue
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            record = line.job.result(timeout=left).to_dict()
-        except (JobTimeout, JobWithdrawn) as exc:
-            record = {"id": line.job.id, "status": "unfinished", "error": str(exc)}
-        yield {"line": line.number, **record}
+        else:
+            waiting[line.job.id] = line
+    fired = threading.Event()
+
+    def notify(_event: object) -> None:
+        fired.set()
+
+    while waiting:
+        fired.clear()
+        ended = _ended(waiting, notify)
+        for job_id in ended:
+            line = waiting.pop(job_id)
+            yield {"line": line.number, **_record(line, 0.0)}
+        left = None if deadline is None else deadline - time.monotonic()
+        if waiting and left is not None and left <= 0:
+            for line in waiting.values():
+                yield {"line": line.number, **_record(line, 0.0)}
+            return
+        if waiting and not ended:
+            fired.wait(_RECHECK if left is None else min(left, _RECHECK))
+
+
+def _ended(waiting: dict[str, Line], notify: Callable[[object], None]) -> list[str]:
+    """Ids of the waiting jobs whose result exists now (watching the others' result nodes)."""
+    calls = []
+    for job_id, line in waiting.items():
+        assert line.job is not None
+        zk = line.job.client.zk
+        calls.append((job_id, zk.exists_async(line.job.result_path, watch=notify)))
+    return [job_id for job_id, call in calls if call.get() is not None]
+
+
+def _record(line: Line, timeout: float) -> dict[str, Any]:
+    assert line.job is not None
+    try:
+        return line.job.result(timeout=timeout).to_dict()
+    except (JobTimeout, JobWithdrawn) as exc:
+        return {"id": line.job.id, "status": "unfinished", "error": str(exc)}

@@ -33,7 +33,7 @@ def check_served(client: Client, queues: Iterable[str], *, require: bool) -> Non
 
 
 class _Writer:
-    """Writes one JSON line per input line, in input order, as soon as it is known."""
+    """Writes one JSON line per input line (it names the line) as soon as it is known."""
 
     def __init__(self, out: TextIO) -> None:
         self.out = out

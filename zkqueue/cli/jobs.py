@@ -76,7 +76,7 @@ from zkqueue.result import Result
     "--out",
     type=click.File("w"),
     default=None,
-    help="With --file: write the results (JSONL, input order) here instead of stdout.",
+    help="With --file: write the results (JSONL, one per line as jobs end) here, not stdout.",
 )
 @click.pass_context
 @handles_errors
