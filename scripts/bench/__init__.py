@@ -9,8 +9,8 @@ BENCHMARKS.md).
     scenarios.py       warm-up, raw ZooKeeper rates, latency, depth, producer bulk
     dispatch.py        dispatch throughput: zkq against LockingQueue, and the Redis baseline
     herd.py            notifications and sessions woken per new job
-    model.py           batching with the tiny model (harness side)
-    model_agent.py     batching with the tiny model (the agent side, which imports torch)
+    model.py           the model worker on continuous batching: continuous.py in a subprocess
+    continuous.py      continuous batching through the worker against the engine alone (torch)
     redis_baseline.py  a local redis-server and a reliable priority queue on it
     profile.py         pyinstrument profiles of the worker and the producers
     targets.py         repetitions grouped into medians, targets met or missed

@@ -8,7 +8,8 @@ Results go to an output folder: results.json, results.md and PNG plots. From the
     .venv/bin/python -m scripts.bench --report-only --out docs/bench
 
 Suites: warmup (always runs), dispatch (zkq vs kazoo LockingQueue), latency, herd, depth, bulk,
-batching (tiny model on CPU), redis (baseline), profile (pyinstrument). See BENCHMARKS.md.
+batching (continuous batching, tiny model on CPU), redis (baseline), profile (pyinstrument).
+See BENCHMARKS.md.
 Suites that start their own processes and servers run as modules of this package:
 ``python -m scripts.bench.gateway`` (zkq serve).
 """

@@ -1,7 +1,7 @@
 """Benchmark agent processes: each one holds its own ZooKeeper session and serves commands from the
 harness over a pipe. An agent runs one service at a time (a zkq worker, a kazoo LockingQueue
 consumer, a Redis queue worker) on a thread, gated by a ``go`` so that every process of a run
-starts together, or it runs one-shot commands (producers, direct ``generate``). Agents are forked
+starts together, or it runs one-shot commands (producers). Agents are forked
 from a forkserver that has imported this module, so starting sixteen of them is cheap. What they
 run is in services.py."""
 
@@ -65,8 +65,6 @@ class Agent:
         self.zk = KazooClient(hosts=hosts, timeout=10.0)
         self.zk.start(timeout=30)
         self.service: Service | None = None
-        self.go_at = 0.0
-        self._runners: dict[str, Any] = {}
 
     def handle(self, command: str, kwargs: dict[str, Any]) -> tuple[str, Any]:
         try:
@@ -77,23 +75,15 @@ class Agent:
     def close(self) -> None:
         if self.service is not None:
             self.service.stop()
-        for runner in self._runners.values():
-            runner.close()
         self.zk.stop()
         self.zk.close()
 
     # -- services ------------------------------------------------------------------------------
 
     def cmd_zkq_start(
-        self,
-        root: str,
-        queue: str,
-        slots: int,
-        profile: bool = False,
-        model_dir: str | None = None,
+        self, root: str, queue: str, slots: int, profile: bool = False
     ) -> dict[str, Any]:
-        runner = self._hf_runner(model_dir) if model_dir else EchoRunner()
-        return self._start(ZkqService(self.zk, runner, root, queue, slots, profile))
+        return self._start(ZkqService(self.zk, EchoRunner(), root, queue, slots, profile))
 
     def cmd_lq_start(self, path: str) -> dict[str, Any]:
         return self._start(LockingQueueService(self.zk, path))
@@ -111,22 +101,7 @@ class Agent:
     def cmd_go(self) -> None:
         if self.service is None:
             raise RuntimeError("no service started")
-        self.go_at = time.perf_counter()
         self.service.go.set()
-
-    def cmd_wait_completed(self, n: int, limit: float) -> float | None:
-        """Seconds from ``go`` until this process's worker has completed ``n`` jobs (None after
-        ``limit`` seconds). Timed here, from the worker's own counter, so that nothing polls
-        ZooKeeper while it runs."""
-        service = self.service
-        if not isinstance(service, ZkqService):
-            raise RuntimeError("no zkq worker started")
-        deadline = time.perf_counter() + limit
-        while service.worker.stats.completed < n:
-            if time.perf_counter() > deadline:
-                return None
-            time.sleep(0.002)
-        return time.perf_counter() - self.go_at
 
     def cmd_stats(self, flush: bool = False) -> dict[str, Any]:
         out = process_stats(self.zk, flush)
@@ -164,61 +139,6 @@ class Agent:
             return _timed_producer(lambda i: producer.put(f"j{i}", _prompt(i)), n, False)
         finally:
             producer.close()
-
-    # -- the model -----------------------------------------------------------------------------
-
-    def cmd_hf_load(
-        self,
-        model_dir: str,
-        prompts: list[str],
-        max_new_tokens: int,
-        batches: list[int],
-        torch_threads: int | None,
-    ) -> dict[str, Any]:
-        """Write and load the tiny model, then warm both paths on every prompt at every batch
-        size: the first call on new tensor shapes is several times slower than the next.
-        ``torch_threads`` sets OMP_NUM_THREADS before torch is imported, which is what every
-        thread of the process (the worker's executor threads included) starts with."""
-        if torch_threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(torch_threads)
-        from scripts.bench import model_agent
-
-        start = time.perf_counter()
-        model_agent.ensure_model(model_dir)
-        runner = self._hf_runner(model_dir)
-        load = time.perf_counter() - start
-        for batch in batches:
-            model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
-        model_agent.direct_generate(model_dir, prompts, max_new_tokens, max(batches))
-        import torch
-
-        return {
-            "load_s": load,
-            "warm_s": time.perf_counter() - start - load,
-            "torch_threads": torch.get_num_threads(),
-        }
-
-    def cmd_hf_direct(
-        self, model_dir: str, prompts: list[str], max_new_tokens: int, batch: int
-    ) -> dict[str, Any]:
-        from scripts.bench import model_agent
-
-        return model_agent.direct_generate(model_dir, prompts, max_new_tokens, batch)
-
-    def cmd_hf_runner_direct(
-        self, model_dir: str, prompts: list[str], max_new_tokens: int, batch: int
-    ) -> dict[str, Any]:
-        from scripts.bench import model_agent
-
-        runner = self._hf_runner(model_dir)
-        return model_agent.runner_direct(runner, prompts, max_new_tokens, batch)
-
-    def _hf_runner(self, model_dir: str) -> Any:
-        if model_dir not in self._runners:
-            from scripts.bench import model_agent
-
-            self._runners[model_dir] = model_agent.load_runner(model_dir)
-        return self._runners[model_dir]
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -283,12 +283,12 @@ def greedy_matches(stage: Stage) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench.continuous")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=None, help="3 (1 when quick)")
     parser.add_argument("--quick", action="store_true", help="one rep, 16 throughput prompts")
-    parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--json", default=None, help="write the figures here, not to stdout")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    reps = 1 if args.quick else args.reps
+    reps = args.reps if args.reps is not None else 1 if args.quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         stage = Stage(Path(tmp))
         try:
@@ -300,9 +300,10 @@ def main(argv: list[str] | None = None) -> None:
             print("throughput", json.dumps(figures["throughput"]), flush=True)
         finally:
             stage.close()
-    print(json.dumps(figures, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
+    else:
+        print(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -46,10 +46,6 @@ class Config:
     modes: tuple[str, ...] = ("prefill", "stream")
     herd_sizes: tuple[int, ...] = (1, 8, 32)
     depths: tuple[int, ...] = (100, 20000)
-    batch_jobs: int = 64
-    batch_slots: tuple[int, ...] = (8, 1)
-    #: The library's default (zkqueue.defaults.MAX_NEW_TOKENS).
-    max_new_tokens: int = 64
     scenarios: tuple[str, ...] = ()
 
     @classmethod
@@ -67,7 +63,6 @@ class Config:
                 depth_enqueues=40,
                 bulk_jobs=5000,
                 depths=(100, 5000),
-                max_new_tokens=32,
                 modes=("prefill", "stream"),
                 scenarios=scenarios,
             )
@@ -171,15 +166,10 @@ class Bench:
         return self._pool[:n]
 
     def special(self, name: str) -> AgentHandle:
-        """A named agent outside the pool (the producer, the model worker)."""
+        """A named agent outside the pool (the producer)."""
         if name not in self._special:
             self._special[name] = AgentHandle(self.ctx, self.hosts, name)
         return self._special[name]
-
-    def drop_special(self, name: str) -> None:
-        agent = self._special.pop(name, None)
-        if agent is not None:
-            agent.close()
 
     # -- ZooKeeper helpers -------------------------------------------------------------------
 

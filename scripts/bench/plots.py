@@ -7,7 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.targets import find, grouped
+from scripts.bench.core import median
+from scripts.bench.targets import ENGINES, continuous, find, grouped
 
 
 def plots(results: dict[str, Any], out: Path, log: Callable[[str], None]) -> list[str]:
@@ -126,7 +127,7 @@ def _plot_depth(plt: Any, results: dict[str, Any]) -> Any:
 
 
 def _plot_bulk_batching(plt: Any, results: dict[str, Any]) -> Any:
-    bulk, batch = results.get("bulk"), results.get("batching")
+    bulk, batch = results.get("bulk"), continuous(results)
     if not bulk and not batch:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -136,9 +137,21 @@ def _plot_bulk_batching(plt: Any, results: dict[str, Any]) -> Any:
         axes[0].set_ylabel("per second")
         axes[0].set_title(f"producer bulk ({bulk['jobs']} jobs)")
     if batch:
-        names = list(batch["jobs_per_s"])
-        axes[1].bar([n.replace("_", " ") for n in names], [batch["jobs_per_s"][n] for n in names])
-        axes[1].set_ylabel("jobs/s")
-        axes[1].set_title(f"batching ({batch['jobs']} jobs, tiny model, CPU)")
-        axes[1].tick_params(axis="x", labelsize=8)
+        keys = list(batch["throughput"][0]["greedy_only"]["direct_tok_s"])
+        bars = [(f"alone, {k} in flight", k) for k in keys] + [("worker", None)]
+        width = 0.8 / len(bars)
+        for i, (label, key) in enumerate(bars):
+            values = [
+                median(
+                    t[engine]["direct_tok_s"][key] if key else t[engine]["worker_tok_s"]
+                    for t in batch["throughput"]
+                )
+                for engine, _ in ENGINES
+            ]
+            xs = [j + (i - len(bars) / 2 + 0.5) * width for j in range(len(ENGINES))]
+            axes[1].bar(xs, values, width, label=label, color=f"C{i}" if key else "C3")
+        axes[1].set_xticks(range(len(ENGINES)), [label for _, label in ENGINES])
+        axes[1].set_ylabel("tokens/s (median)")
+        axes[1].set_title("continuous batching (tiny model, CPU)")
+        axes[1].legend(fontsize=8)
     return fig

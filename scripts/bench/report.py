@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from scripts.bench.core import median
-from scripts.bench.targets import Row, find, grouped
+from scripts.bench.targets import ENGINES, Row, continuous, find, grouped, spread
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -33,7 +32,7 @@ def markdown(results: dict[str, Any]) -> str:
         ("Herd (scenario 3)", _md_herd),
         ("Depth (scenario 4)", _md_depth),
         ("Producer bulk (scenario 5)", _md_bulk),
-        ("Batching, tiny model on CPU (scenario 6)", _md_batching),
+        ("Continuous batching, tiny model on CPU (scenario 6)", _md_batching),
         ("Redis baseline (scenario 7)", _md_redis),
     ):
         body = section(results)
@@ -200,56 +199,73 @@ def _md_batching(results: dict[str, Any]) -> str:
     b = results.get("batching")
     if not b:
         return ""
-    rows = [[k.replace("_", " "), v, b["jobs"] / v, ", ".join(f"{s:.2f}" for s in b["seconds"][k])]
-            for k, v in ((k, median(s)) for k, s in b["seconds"].items())]  # fmt: skip
-    return (
-        _table(["run", "seconds (median)", "jobs/s", "each repetition"], rows)
-        + _md_batch_split(b)
-        + (
-            f"\n\n{b['jobs']} jobs, max_new_tokens={b['max_new_tokens']}, greedy. 8 slots vs 1: "
-            f"{b['speedup']:.1f}x. The 8-slot worker against batched `generate` called directly: "
-            f"{b['overhead_vs_generate'] * 100:+.0f}%; against the HF runner called directly: "
-            f"{b['overhead_vs_runner'] * 100:+.0f}%. The queue's own time (the worker's wall "
-            f"time minus its time inside the runner, median) is {b['queue_own_s']:.2f} s, "
-            f"{b['queue_own_vs_generate'] * 100:.0f}% of direct generate. torch ran on "
-            f"{b['torch_threads']} intra-op thread(s)."
-        )
-        + _md_default_threads(b)
-    )
+    c = continuous(results)
+    if not c:
+        return "Figures of the static-batching suite, superseded by continuous batching: rerun."
+    hol, arr = c["head_of_line"], c["arrivals"]
+    before = sum(bool(r["all_short_before_half"]) for r in hol)
+    parts = [
+        f"`python -m scripts.bench.continuous{' --quick' if c.get('quick') else ''}`: tiny model "
+        "(64 hidden, 2 layers) on the CPU, one torch thread, a cache of 512 pages of 32 tokens, "
+        "256 batch tokens, the engine at 16 requests a step, ignore_eos (exact lengths). "
+        f"Medians of {len(hol)} repetition(s), min-max in brackets.",
+        "",
+        "Head-of-line: 1 job of 300 new tokens and 7 of 4 pending before an 8-slot worker starts.",
+        "",
+        _table(
+            ["what", "seconds"],
+            [
+                ["the long job's run", spread(r["long_run_s"] for r in hol)],
+                ["the last short result, after the long job's start",
+                 spread(r["last_short_after_long_start_s"] for r in hol)],
+                ["all short results before the long job's half-way point",
+                 f"{before}/{len(hol)} repetition(s)"],
+            ],
+        ),
+        "",
+        "Arrivals: 80 jobs, one every 50 ms, 3 short (4-16 new tokens) to 1 long (250-300), "
+        "at one 16-slot worker.",
+        "",
+        _table(
+            ["what", "value"],
+            [
+                ["short jobs, submit to result, p50 (s)", spread(r["short_p50_s"] for r in arr)],
+                ["short jobs, submit to result, p99 (s)", spread(r["short_p99_s"] for r in arr)],
+                ["long jobs' run, median (s)", spread(r["long_run_median_s"] for r in arr)],
+                ["short p99 / long median run", spread(r["ratio"] for r in arr)],
+            ],
+        ),
+        "",
+        _md_throughput(c),
+        "",
+        f"Greedy outputs through the worker against single-prompt `generate`: "
+        f"{'identical' if c['greedy']['identical'] else '**different**'} "
+        f"({c['greedy']['jobs']} jobs).",
+    ]  # fmt: skip
+    return "\n".join(parts)
 
 
-def _md_default_threads(b: dict[str, Any]) -> str:
-    d = b.get("torch_default_threads")
-    if not d:
-        return ""
-    secs = {k: median(v) for k, v in d["seconds"].items()}
-    return (
-        f"\n\nWith torch's default thread count ({d['torch_threads']}), one repetition: "
-        + ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in secs.items())
-        + ". The worker runs the model on its executor thread, which starts with the "
-        "process-wide OpenMP default rather than the main thread's setting."
-    )
-
-
-def _md_batch_split(b: dict[str, Any]) -> str:
-    """Where a worker's run went: the runner (on its executor thread), claim turns, completions."""
-    lines = []
-    for name, runs in b.get("worker_timers", {}).items():
-
-        def total(timer: str, runs: list[dict[str, Any]] = runs) -> float:
-            return median(r.get(timer, {}).get("total_s", float("nan")) for r in runs)
-
-        watches = total("watch_entries")
-        if watches != watches:  # results from before the watches were pipelined
-            watches = total("watch_entry")
-        lines.append(
-            [name.replace("_", " "), total("execute"), total("head_turn"),
-             total("complete_multi"), watches]
+def _md_throughput(c: dict[str, Any]) -> str:
+    rows = []
+    for engine, label in ENGINES:
+        runs = [t[engine] for t in c["throughput"]]
+        direct = {k: [r["direct_tok_s"][k] for r in runs] for k in runs[0]["direct_tok_s"]}
+        rows.append(
+            [label, *(spread(v, 0) for v in direct.values()),
+             spread((r["worker_tok_s"] for r in runs), 0),
+             spread(r["ratio_to_best_direct"] for r in runs)]
         )  # fmt: skip
-    if not lines:
-        return ""
-    return "\n\nInside the worker (seconds, medians):\n\n" + _table(
-        ["run", "runner (executor thread)", "claim turns", "completions", "entry watches"], lines
+    keys = list(c["throughput"][0]["greedy_only"]["direct_tok_s"])
+    prompts = 16 if c.get("quick") else 64
+    return (
+        f"Throughput: {prompts} mixed greedy jobs (7-240 prompt tokens, 12-127 new), tokens/s "
+        "from the first start to the last completion; the worker has a slot for every job, the "
+        "engine alone (the library's continuous batching called directly) runs with 8, 16 or 64 "
+        "requests in flight, and the ratio is to its best in the same repetition.\n\n"
+        + _table(
+            ["engine", *(f"alone, {k} in flight" for k in keys), "worker", "worker / best alone"],
+            rows,
+        )
     )
 
 
