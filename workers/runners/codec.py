@@ -85,3 +85,12 @@ class Codec:
                 text = prompt if messages is None else JobSpec(prompt="", messages=messages).text
                 ids = self.tokenizer(text)["input_ids"]
         return tuple(int(i) for i in ids)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every token that ends a sequence: the generation config's (one or a list) and the
+    tokenizer's."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}

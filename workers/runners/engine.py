@@ -17,6 +17,8 @@ moves between minor versions; before widening the range, re-check what this modu
   ``status``, ``error``, ``timestamps``, ``created_time``); a streamed request yields one per step.
   ``cancel_request`` never yields a finished output: the caller ends the request itself.
 * A dead loop: ``is_running()`` is False, requests in flight come back FAILED (or not at all).
+* ``batch_processor.scheduler.get_active_request_static_outputs(id)``: the tokens a running
+  request generated so far, read without streaming it (``tokens_so_far``).
   ``background_thread_status.fatal_error`` and ``batch_processor.cache`` are read, defensively,
   for the error message and the pages in use.
 
@@ -183,6 +185,17 @@ class Engine:
             error=out.error,
             ttft_s=stamps[0] - out.created_time if stamps else None,
         )
+
+    def tokens_so_far(self, request_id: str) -> list[int] | None:
+        """The tokens a request has generated so far, read from the scheduler without asking
+        the request to stream (None when the library cannot tell, or it is not running yet).
+        The list is the engine's own: copy it before keeping it."""
+        try:
+            scheduler = self._manager.batch_processor.scheduler
+            tokens = scheduler.get_active_request_static_outputs(request_id)
+        except Exception:  # the library moved it: callers then stream the request
+            return None
+        return tokens if isinstance(tokens, list) else None
 
     def alive(self) -> bool:
         return bool(self._manager.is_running())

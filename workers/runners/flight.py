@@ -177,3 +177,19 @@ class _StepHook(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         stop = self.on_step(input_ids[0, self.width :].tolist())
         return torch.tensor([stop], device=input_ids.device)  # type: ignore[return-value]
+
+
+def streams(spec: JobSpec) -> bool:
+    """Whether the engine streams the job (an output per step): for a caller who streams, and
+    for stop strings, checked at every step. Other jobs are read from the engine every clock
+    tick instead (``HFRunner._peek``): per-step outputs cost the engine's thread ~4%."""
+    return spec.stream or bool(spec.stop)
+
+
+def needs_alone(spec: JobSpec, engine_samples: bool) -> bool:
+    """Jobs the engine cannot serve: seeded sampling, min_new_tokens, and any sampling on a
+    greedy-only engine (see engine.py)."""
+    sampled = sampling_of(spec) is not None
+    if sampled and (spec.seed is not None or not engine_samples):
+        return True
+    return bool(spec.min_new_tokens) and not spec.ignore_eos

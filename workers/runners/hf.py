@@ -13,10 +13,12 @@ A job's life:
   at once with status ``cancelled``; the engine emits nothing more for it, so timeouts and
   cancellations end from the tokens already streamed. Stop strings end a job ``succeeded`` with
   the output cut before the stop string.
-* Every request streams (one output per decoding step): that gives ``progress`` (the lease
-  renewal reads it) and the partial output of a cancelled or timed-out job for almost nothing
-  (measured on the tiny model: within noise of not streaming). Text is decoded per step only for
-  jobs with stop strings; streaming jobs get token ids in ``partial_ids``, decoded by the worker.
+* A request streams (one output per decoding step) when its caller streams or it has stop
+  strings; text is decoded per step only for stop strings, and streaming jobs get token ids in
+  ``partial_ids``, decoded by the worker. The others do not stream (per-step outputs cost the
+  engine's thread ~4% on the CPU): every clock tick the collector reads their tokens so far from
+  the engine, which gives ``progress`` (the lease renewal reads it) and the partial output of a
+  cancelled or timed-out job.
 * If the generation loop dies (a request larger than the whole cache, out of device memory, any
   exception), every job it held ends ``failed`` with ``release=True`` (the worker gives it back
   to the queue), and a new engine is built; jobs submitted meanwhile wait for it.
@@ -45,9 +47,9 @@ import torch
 
 from workers import kvcache
 from workers.runners.base import Done, Outcome, RunningJob
-from workers.runners.codec import Codec
+from workers.runners.codec import Codec, eos_ids
 from workers.runners.engine import Engine, EngineConfig, EngineOutput
-from workers.runners.flight import Flight, PlainPath, sampling_of
+from workers.runners.flight import Flight, PlainPath, needs_alone, sampling_of, streams
 from zkqueue import result
 from zkqueue.errors import ConfigurationError
 from zkqueue.spec import JobSpec
@@ -89,7 +91,7 @@ class HFRunner:
         self.default_max_runtime = default_max_runtime
         self.sampling = sampling
         self._model = model
-        self._eos = sorted(_eos_ids(model, tokenizer))
+        self._eos = sorted(eos_ids(model, tokenizer))
         length = getattr(kvcache.text_config(model.config), "max_position_embeddings", None)
         self.context_length = int(length or tokenizer.model_max_length)
         self.codec = Codec(tokenizer, set(self._eos), self.context_length)
@@ -188,7 +190,7 @@ class HFRunner:
         runtime = job.spec.max_runtime or self.default_max_runtime
         now = time.monotonic()
         flight = Flight(job, ids, now, now + runtime if runtime else None, runtime)
-        if _needs_alone(job.spec, self.sampling):
+        if needs_alone(job.spec, self.sampling):
             self._alone.submit(self._run_alone, flight)
             return
         flight.rid = f"{job.id}#{next(self._ids)}"
@@ -238,7 +240,7 @@ class HFRunner:
             max_new_tokens=spec.max_new_tokens,
             sampling=sampling_of(spec),
             stop_at_eos=not spec.ignore_eos,
-            stream=True,
+            stream=streams(spec),
         )  # refused (False) only by a dead loop: the collector ends the job with the others
 
     def _collect(self) -> None:
@@ -279,7 +281,10 @@ class HFRunner:
             self._finish(job, flight.finished(self.codec, out.tokens))
 
     def _watch_clocks(self, now: float) -> None:
+        engine = self._engine
         for flight in list(self._flights.values()):
+            if engine is not None and not streams(flight.job.spec):
+                self._peek(engine, flight)
             if flight.deadline is not None and now >= flight.deadline:
                 self._withdraw(flight.rid, result.TIMEOUT)
             elif not flight.warned_slow and now - flight.started > self.slow_after:
@@ -291,6 +296,15 @@ class HFRunner:
                     len(flight.ids),
                     len(flight.tokens),
                 )
+
+    @staticmethod
+    def _peek(engine: Engine, flight: Flight) -> None:
+        """A request that does not stream: its tokens so far, read from the engine (progress
+        for the lease, and the partial output should it be cancelled or time out)."""
+        tokens = engine.tokens_so_far(flight.rid)
+        if tokens is not None and len(tokens) > len(flight.tokens):
+            flight.tokens = list(tokens)
+            flight.job.progress = len(flight.tokens)
 
     def _engine_died(self, engine: Engine) -> None:
         why = engine.failure() or "the generation loop stopped"
@@ -341,6 +355,8 @@ class HFRunner:
             return
         engine = self._engine
         if engine is not None and status != result.FAILED:
+            if not streams(flight.job.spec):
+                self._peek(engine, flight)  # the partial output, before the engine drops it
             engine.cancel(rid)
         if status == result.CANCELLED:
             status, how["error"] = flight.cancelled()
@@ -377,21 +393,3 @@ class HFRunner:
         with pause, torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             yield
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every token that ends a sequence: the generation config's (one or a list) and the
-    tokenizer's."""
-    configured = model.generation_config.eos_token_id
-    ids = set(configured if isinstance(configured, list) else [configured])
-    ids.add(tokenizer.eos_token_id)
-    return {int(i) for i in ids if i is not None}
-
-
-def _needs_alone(spec: JobSpec, engine_samples: bool) -> bool:
-    """Jobs the engine cannot serve: seeded sampling, min_new_tokens, and any sampling on a
-    greedy-only engine (see engine.py)."""
-    sampled = sampling_of(spec) is not None
-    if sampled and (spec.seed is not None or not engine_samples):
-        return True
-    return bool(spec.min_new_tokens) and not spec.ignore_eos
