@@ -84,3 +84,14 @@ def _draining(client: Client) -> bool:
     """The worker says it is draining (one read: it may unregister between two)."""
     records = client.workers()
     return bool(records) and records[0]["state"] == "draining"
+
+
+def test_a_worker_says_what_it_does_at_the_default_level(zkq, client: Client) -> None:
+    """No --log-level: a worker logs at info (registered, stopped); -q keeps it to warnings."""
+    client.submit("one job", detach=True)
+    out = zkq("worker", "--burst", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "registered worker" in out.stderr and "queue default" in out.stderr
+    assert "stopped" in out.stderr
+    quiet = zkq("worker", "--burst", "-q", timeout=60)
+    assert quiet.returncode == 0 and "registered worker" not in quiet.stderr
