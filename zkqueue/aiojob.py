@@ -22,6 +22,7 @@ from kazoo.protocol.states import WatchedEvent
 from zkqueue import claims
 from zkqueue.connection import TRANSIENT, mapped_errors
 from zkqueue.errors import JobTimeout, JobWithdrawn, ZkqConnectionError
+from zkqueue.job import JobPaths
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
 
@@ -57,7 +58,7 @@ _RECONNECT_POLL = 0.25
 _AWAY = (*TRANSIENT, ZkqConnectionError)
 
 
-class AsyncJob:
+class AsyncJob(JobPaths):
     """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached
     request (on timeout, or when the task waiting on it is cancelled) and removes an attached
     result once read."""
@@ -83,23 +84,6 @@ class AsyncJob:
         self.record: Result | None = None
         self._wake = asyncio.Event()
         self._fired: set[str] = set()
-
-    def __repr__(self) -> str:
-        return f"AsyncJob(id={self.id!r}, queue={self.queue!r}, priority={self.priority!r})"
-
-    @property
-    def entry_path(self) -> str | None:
-        if self.entry is None:
-            return None
-        return self.client.layout.entry(self.queue, self.priority, self.entry)
-
-    @property
-    def claim_path(self) -> str | None:
-        return None if self.entry is None else self.client.layout.claim(self.queue, self.entry)
-
-    @property
-    def result_path(self) -> str:
-        return self.client.layout.result(self.queue, self.id)
 
     # -- waiting -----------------------------------------------------------------------------
 

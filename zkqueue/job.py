@@ -51,7 +51,37 @@ _RECONNECT_POLL = 0.25
 _AWAY = (ConnectionLoss, SessionExpiredError, KazooTimeoutError)
 
 
-class Job:
+class JobPaths:
+    """Where a job's nodes are, for both producer faces (``Job`` and ``aiojob.AsyncJob``)."""
+
+    client: Any
+    id: str
+    queue: str
+    priority: str
+    entry: str | None
+
+    def __repr__(self) -> str:
+        name, fields = type(self).__name__, (self.id, self.queue, self.priority)
+        return "{}(id={!r}, queue={!r}, priority={!r})".format(name, *fields)
+
+    @property
+    def entry_path(self) -> str | None:
+        if self.entry is None:
+            return None
+        return str(self.client.layout.entry(self.queue, self.priority, self.entry))
+
+    @property
+    def claim_path(self) -> str | None:
+        if self.entry is None:
+            return None
+        return str(self.client.layout.claim(self.queue, self.entry))
+
+    @property
+    def result_path(self) -> str:
+        return str(self.client.layout.result(self.queue, self.id))
+
+
+class Job(JobPaths):
     """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached request
     on timeout and removes an attached result once read."""
 
@@ -75,19 +105,6 @@ class Job:
         self.detach = detach
         self.owned = owned
         self._result = result
-
-    def __repr__(self) -> str:
-        return f"Job(id={self.id!r}, queue={self.queue!r}, priority={self.priority!r})"
-
-    @property
-    def entry_path(self) -> str | None:
-        if self.entry is None:
-            return None
-        return self.client.layout.entry(self.queue, self.priority, self.entry)
-
-    @property
-    def result_path(self) -> str:
-        return self.client.layout.result(self.queue, self.id)
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -149,7 +166,7 @@ class Job:
             return "", None
         if record is not None or self.entry is None:
             return "", record
-        claim = self.client.layout.claim(self.queue, self.entry)
+        claim = self.claim_path
         zk = self.client.zk
         try:
             if zk.exists_async(claim, watch=watch).get(timeout=timeout) is None:

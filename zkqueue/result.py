@@ -9,6 +9,7 @@ from typing import Any
 
 from zkqueue import defaults
 from zkqueue.errors import CorruptRecord, ResultTooLarge
+from zkqueue.records import read_json
 
 
 class Status(enum.StrEnum):
@@ -86,12 +87,7 @@ class Result:
     def from_bytes(cls, data: bytes, what: str = "result") -> Result:
         """Read a result written by any client; CorruptRecord (naming ``what``) when it is not
         JSON or lacks one of the required fields id, queue, priority and status."""
-        try:
-            raw = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise CorruptRecord(f"{what} is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise CorruptRecord(f"{what} is not a JSON object")
+        raw = read_json(data, what)
         missing = [f for f in REQUIRED if not isinstance(raw.get(f), str)]
         if missing:
             raise CorruptRecord(f"{what} lacks required field(s): {', '.join(missing)}")
