@@ -73,7 +73,7 @@ class HeadTurn:
             return None
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again and only the claims watch will say so.
-        self.view.claimed.update(c.entry.name for c in picked)
+        self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
 
     def _pick(self, want: int, exclude: set[str]) -> list[Candidate]:
@@ -85,12 +85,23 @@ class HeadTurn:
             chunk = want if start == 0 else max(want, 4)
             part = ordered[start : start + chunk]
             start += chunk
-            calls = [self.zk.get_async(self.claims.entry_path(p, e)) for p, e in part]
-            for (priority, entry), call in zip(part, calls, strict=True):
+            # Each entry's data, and whether its id already has a result (a raw producer's
+            # duplicate), pipelined: one round trip.
+            calls = [
+                (
+                    self.zk.get_async(self.claims.entry_path(p, e)),
+                    self.zk.exists_async(self.layout.result(self.queue, e.job_id)),
+                )
+                for p, e in part
+            ]
+            for (priority, entry), (call, result) in zip(part, calls, strict=True):
                 try:
                     data, stat = call.get()
                 except NoNodeError:
                     self.view.drop(priority, entry)
+                    continue
+                if result.get() is not None:
+                    self._duplicate(priority, entry, data, stat)
                     continue
                 extra = sum(c.pages for c in picked)
                 cand = self._judge(priority, entry, data, stat, extra)
@@ -133,6 +144,15 @@ class HeadTurn:
         elif decision.verdict == Verdict.NEVER:
             self._never_here(priority, entry, stat, decision.pages, decision.reason)
         return None
+
+    def _duplicate(self, priority: str, entry: EntryName, data: bytes, stat: Any) -> None:
+        """An entry whose id already has a result is never run again: lettered, no result."""
+        reason = f"duplicate: job id {entry.job_id} already has a result"
+        if self.claims.dead_letter(
+            priority, entry.name, data, stat, reason, entry.job_id, with_result=False
+        ):
+            self.stats.dead_lettered += 1
+        self.view.drop(priority, entry)
 
     def _reject(self, priority: str, entry: EntryName, stat: Any, reason: str) -> None:
         self._end_unclaimed(priority, entry, stat, Status.REJECTED, reason)
@@ -179,7 +199,7 @@ class HeadTurn:
                     data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
                 except NoNodeError:
                     continue
-                reason = f"entry name {name!r} is not <id>-<sequence>"
+                reason = f"entry name {name!r} is not <bucket>/<id>-<sequence>"
                 self._letter(priority, name, data, stat, reason, None)
             names.clear()
 

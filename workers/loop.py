@@ -10,7 +10,6 @@ the loop's thread only; watches, the connection listener and the runner just pos
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue as queue_mod
 import threading
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError
 from kazoo.protocol.states import KazooState
 
 from workers.admission import Admission
@@ -32,6 +30,7 @@ from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
 from workers.options import WorkerOptions, default_worker_id
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
+from zkqueue import protocol
 from zkqueue.claims import Claims
 from zkqueue.connection import TRANSIENT
 from zkqueue.layout import Layout, check_queue
@@ -164,9 +163,8 @@ class Worker:
             self._shutdown()
 
     def start(self) -> None:
-        for path in self.layout.queue_dirs(self.queue):
-            with contextlib.suppress(NodeExistsError):
-                self.zk.create(path, makepath=True)
+        protocol.ensure(self.zk, self.layout)
+        protocol.ensure_dirs(self.zk, self.layout, self.queue)
         self.zk.add_listener(self._on_state)
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()

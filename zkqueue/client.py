@@ -5,19 +5,19 @@ from __future__ import annotations
 import builtins
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NoNodeError
 
-from zkqueue import defaults
+from zkqueue import counts, defaults, listing, protocol
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.deadletters import list_dead, requeue
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
-from zkqueue.job import PENDING, RUNNING, Job
-from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
+from zkqueue.job import Job
+from zkqueue.layout import Layout, check_job_id, check_priority, check_queue
 from zkqueue.limits import Limits
 from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
@@ -61,6 +61,7 @@ class Client:
         self._zk = zk
         self._owns_zk = zk is None
         self._ready: set[str] = set()
+        self._protocol_checked = False
         self._limits: Limits | None = None
         self._enqueue = Enqueuer(self)
 
@@ -99,13 +100,19 @@ class Client:
         with mapped_errors(self.settings.hosts):
             yield
 
+    def check_protocol(self) -> None:
+        """Refuse a root written by another layout version (once per client)."""
+        if not self._protocol_checked:
+            protocol.ensure(self.zk, self.layout)
+            self._protocol_checked = True
+
     def ensure_queue(self, queue: str) -> None:
-        """Create the queue's directories once per client (idempotent)."""
+        """Create the queue's directories once per client (idempotent; one read when the
+        queue is complete: its last directory exists)."""
         if queue in self._ready:
             return
-        for path in self.layout.queue_dirs(queue):
-            with suppress(NodeExistsError):
-                self.zk.create(path, makepath=True)
+        self.check_protocol()
+        protocol.ensure_dirs(self.zk, self.layout, queue)
         self._ready.add(queue)
 
     # -- producing ---------------------------------------------------------------------------
@@ -117,19 +124,30 @@ class Client:
         queue: str = defaults.QUEUE,
         max_new_tokens: int | None = None,
         detach: bool = False,
+        keep_result: bool = False,
         **params: Any,
     ) -> Job:
         """Enqueue one job. An attached request (detach=False) is withdrawn if this client
-        goes away."""
+        goes away, and its result is removed once read (unless ``keep_result``). A ``job_id=``
+        that is already pending, running or finished in the queue is not enqueued again: the
+        existing job is returned, with ``existing`` set."""
+        job_id: str | None = params.pop("job_id", None)
         check_priority(priority)
         check_queue(queue)
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
-        job_id = new_job_id()
         with self.mapped():
             self.ensure_queue(queue)
+            if job_id is not None:
+                found = self._find_job(queue, check_job_id(job_id))
+                if found is not None:
+                    found.existing = True
+                    return found
+            job_id = job_id or new_job_id()
             self.limits.check_room(queue)
             name = self._enqueue.create(queue, priority, job_id, data, ephemeral=not detach)
-        return Job(self, job_id, queue, priority, name, detach=detach, owned=True)
+        job = Job(self, job_id, queue, priority, name, detach=detach, owned=True)
+        job.keep_result = keep_result
+        return job
 
     def submit_many(
         self,
@@ -179,13 +197,25 @@ class Client:
     # -- reading -----------------------------------------------------------------------------
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
-        """The entry name of a job in one priority, by scanning its children (O(depth))."""
-        prefix = f"{job_id}-"
+        """The entry name (``<bucket>/<id>-<seq>``) of a job in one priority: a running job's
+        from its claim, else by listing the priority's buckets newest first."""
+        running = self._claimed_entry(queue, job_id)
+        if running is not None:
+            prio, _, name = running.partition("/")
+            if prio == priority:
+                return name
+        return counts.find(self.zk, self.layout, queue, priority, job_id)
+
+    def _claimed_entry(self, queue: str, job_id: str) -> str | None:
+        """``<priority>/<bucket>/<id>-<seq>`` of a running job, from its claim."""
         try:
-            children = self.zk.get_children(self.layout.pending(queue, priority))
+            data, _ = self.zk.get(self.layout.claim(queue, job_id))
         except NoNodeError:
             return None
-        return next((c for c in children if c.startswith(prefix)), None)
+        try:
+            return ClaimBody.from_bytes(data, f"claim {queue}/{job_id}").entry
+        except CorruptRecord:
+            return None
 
     def job(self, job_id: str, queue: str | None = None) -> Job:
         """Find a job by id in one queue, or in every queue when ``queue`` is None."""
@@ -198,16 +228,24 @@ class Client:
         raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
 
     def _find_job(self, queue: str, job_id: str) -> Job | None:
-        for priority in defaults.PRIORITIES:
-            name = self.find_entry(queue, priority, job_id)
-            if name is not None:
-                return Job(self, job_id, queue, priority, name)
+        """A job by id: its result, its claim (running), or its entry (by listing buckets)."""
+        self.check_protocol()
         try:
             data, _ = self.zk.get(self.layout.result(queue, job_id))
         except NoNodeError:
-            return None
-        record = Result.from_bytes(data, f"result of job {job_id} in queue {queue!r}")
-        return Job(self, job_id, queue, record.priority)
+            data = None
+        if data is not None:
+            record = Result.from_bytes(data, f"result of job {job_id} in queue {queue!r}")
+            return Job(self, job_id, queue, record.priority)
+        running = self._claimed_entry(queue, job_id)
+        if running is not None:
+            priority, _, entry = running.partition("/")
+            return Job(self, job_id, queue, priority, entry)
+        for priority in defaults.PRIORITIES:
+            found = counts.find(self.zk, self.layout, queue, priority, job_id)
+            if found is not None:
+                return Job(self, job_id, queue, priority, found)
+        return None
 
     def queue_names(self) -> list[str]:
         with self.mapped():
@@ -225,66 +263,18 @@ class Client:
                 return None
         return ClaimBody.from_bytes(data, f"claim {queue}/{entry}")
 
-    def _ordered_entries(self, queue: str) -> list[tuple[str, EntryName]]:
-        """Every parseable entry of a queue in dispatch order, as (priority, name)."""
-        calls = [
-            (p, self.zk.get_children_async(self.layout.pending(queue, p)))
-            for p in defaults.PRIORITIES
-        ]
-        out: list[tuple[str, EntryName]] = []
-        for priority, call in calls:
-            try:
-                names = call.get()
-            except NoNodeError:
-                continue
-            parsed = [_parse_or_none(n) for n in names]
-            out.extend((priority, e) for e in sorted((e for e in parsed if e), key=_order))
-        return out
-
-    def _claimed(self, queue: str) -> set[str]:
-        try:
-            return set(self.zk.get_children(self.layout.claims(queue)))
-        except NoNodeError:
-            return set()
-
     def position(self, queue: str, entry: str) -> int | None:
-        """1-based place among the queue's unclaimed entries in dispatch order."""
+        """About the 1-based place among the queue's unclaimed entries (1 = next)."""
         with self.mapped():
-            claimed = self._claimed(queue)
-            waiting = [e.name for _, e in self._ordered_entries(queue) if e.name not in claimed]
-        return waiting.index(entry) + 1 if entry in waiting else None
+            return listing.position(self.zk, self.layout, queue, entry)
 
     def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
-        """Pending and running jobs of a queue in dispatch order."""
+        """Pending and running jobs of a queue in dispatch order, at most ``limit`` (None: all),
+        listing one bucket (~1,000 entries) at a time."""
         check_queue(queue)
         with self.mapped():
-            claimed = self._claimed(queue)
-            entries = self._ordered_entries(queue)[:limit]
-            stats = [self.zk.exists_async(self.layout.entry(queue, p, e.name)) for p, e in entries]
-            claims = {
-                e.name: self.zk.get_async(self.layout.claim(queue, e.name))
-                for _, e in entries
-                if e.name in claimed
-            }
-            rows, position = [], 0
-            for (priority, entry), stat_call in zip(entries, stats, strict=True):
-                stat = stat_call.get()
-                if stat is None:
-                    continue  # finished while we listed
-                row = {
-                    "id": entry.job_id,
-                    "queue": queue,
-                    "priority": priority,
-                    "attempts": stat.version,
-                    "submitted_at": stat.ctime / 1000,
-                }
-                if entry.name in claims:
-                    row.update(state=RUNNING, worker=_claim_worker(claims[entry.name]))
-                else:
-                    position += 1
-                    row.update(state=PENDING, position=position)
-                rows.append(row)
-            return rows
+            self.check_protocol()
+            return listing.list_jobs(self.zk, self.layout, queue, limit)
 
     def stats(self) -> dict[str, Any]:
         """Depth per queue and priority (running jobs included), running jobs, waiting slots,
@@ -296,16 +286,15 @@ class Client:
 
     def _queue_stats(self, queue: str) -> dict[str, Any]:
         lay = self.layout
-        calls = {p: self.zk.exists_async(lay.pending(queue, p)) for p in defaults.PRIORITIES}
-        calls.update(
-            running=self.zk.exists_async(lay.claims(queue)),
-            idle_workers=self.zk.exists_async(lay.line(queue)),
-            results=self.zk.exists_async(lay.results(queue)),
-            dead=self.zk.exists_async(lay.dead(queue)),
-        )
-        counts = {k: (c.get().numChildren if c.get() else 0) for k, c in calls.items()}
-        depth = {p: counts.pop(p) for p in defaults.PRIORITIES}
-        return {"depth": depth, "pending": sum(depth.values()) - counts["running"], **counts}
+        calls = {
+            "running": self.zk.exists_async(lay.claims(queue)),
+            "idle_workers": self.zk.exists_async(lay.line(queue)),
+            "dead": self.zk.exists_async(lay.dead(queue)),
+        }
+        depth = counts.depth(self.zk, lay, queue)
+        found = {k: (s.numChildren if (s := c.get()) else 0) for k, c in calls.items()}
+        found["results"] = counts.results(self.zk, lay, queue)
+        return {"depth": depth, "pending": sum(depth.values()) - found["running"], **found}
 
     def set_max_pending(self, queue: str, max_pending: int | None) -> None:
         """Limit a queue's waiting jobs (None: no limit); producers beyond it get QueueFull."""
@@ -343,25 +332,3 @@ class Client:
         """Registered workers' records (see docs/PROTOCOL.md)."""
         with self.mapped():
             return read_records(self.zk, self.layout)
-
-
-def _order(entry: EntryName) -> int:
-    return entry.order
-
-
-def _parse_or_none(name: str) -> EntryName | None:
-    try:
-        return EntryName.parse(name)
-    except InvalidJob:
-        return None
-
-
-def _claim_worker(call: Any) -> str | None:
-    try:
-        data, _ = call.get()
-    except NoNodeError:
-        return None
-    try:
-        return ClaimBody.from_bytes(data).worker
-    except CorruptRecord:
-        return "?"  # the listing shows the job as running; `zkq status` names the bad node

@@ -42,6 +42,9 @@ class Owner(Protocol):
 
 PENDING = "pending"
 RUNNING = "running"
+#: An attached request whose entry went without a result (its caller gave up, or the caller's
+#: session expired): nothing was run to completion, resubmitting is safe.
+WITHDRAWN = "withdrawn"
 #: How often a waiter re-reads even without a watch firing: watches are hints, not guarantees.
 _RECHECK_SECONDS = 2.0
 #: How often a waiter tries again while ZooKeeper is unreachable.
@@ -70,7 +73,13 @@ class Job:
         self.entry = entry
         self.detach = detach
         self.owned = owned
+        #: Submitted with a job id that was already known: this handle is the earlier job's.
+        self.existing = False
+        #: Keep an attached result once read (by default the caller consumes it).
+        self.keep_result = False
+        self._withdrawn = False
         self._result: Result | None = None
+        self._result_size = 0
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, queue={self.queue!r}, priority={self.priority!r})"
@@ -159,8 +168,8 @@ class Job:
         return partial or "", None
 
     def _accept(self, found: Result) -> Result:
-        if self.owned and not self.detach:
-            self._forget_result()
+        if self.owned and not self.detach and not self.keep_result:
+            self._forget_result(found)
         self._result = found
         return found
 
@@ -179,6 +188,7 @@ class Job:
         path = self.entry_path
         if path is None:
             return
+        self._withdrawn = True
         with contextlib.suppress(NoNodeError):
             self.client.zk.delete(path)
 
@@ -216,17 +226,31 @@ class Job:
         result_watch.get()
         try:
             data, _ = result_call.get()
-            return Result.from_bytes(data)
+            self._result_size = len(data)
+            return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
         except NoNodeError:
             pass
         if not entry_alive:
-            raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
+            self._withdrawn = True
+            raise JobWithdrawn(self._withdrawn_message())
         return None
 
-    def _forget_result(self) -> None:
-        """Remove an attached result once read; nobody waits for the answer (a failure only
-        leaves it for the janitor's retention)."""
-        self.client.zk.delete_async(self.result_path)
+    def _withdrawn_message(self) -> str:
+        why = (
+            "this client withdrew it"
+            if self.owned and not self.detach
+            else "its entry was deleted without a result"
+        )
+        return (
+            f"job {self.id} was withdrawn before it produced a result ({why}, or the "
+            f"submitting client's ZooKeeper session expired and its attached request went with "
+            f"it); nothing ran to completion, so resubmitting is safe"
+        )
+
+    def _forget_result(self, record: Result) -> None:
+        """Remove an attached result once read, with its expiry index node; nobody waits for
+        the answer (a failure only leaves it for the janitor's retention)."""
+        claims.consume(self.client.zk, self.client.layout, self.queue, record, self._result_size)
 
     def _locate(self) -> None:
         """Find the entry name by scanning the priority's children (only for bare ids)."""
@@ -245,6 +269,8 @@ class Job:
             try:
                 data, _ = zk.get(self.result_path)
             except NoNodeError:
+                if self.entry is not None:
+                    return self._withdrawn_info()
                 raise JobNotFound(
                     f"job {self.id} has no entry and no result in queue {self.queue!r}"
                 ) from None
@@ -262,6 +288,17 @@ class Job:
         else:
             info.update(state=PENDING, position=self.client.position(self.queue, self.entry or ""))
         return info
+
+    def _withdrawn_info(self) -> dict[str, Any]:
+        """The entry this handle knew is gone and no result came: withdrawn."""
+        self._withdrawn = True
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "priority": self.priority,
+            "state": WITHDRAWN,
+            "error": self._withdrawn_message(),
+        }
 
     def _finished_info(self, record: Result) -> dict[str, Any]:
         return {

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import defaults
+from zkqueue import counts
 from zkqueue.errors import InvalidJob, QueueFull
 from zkqueue.layout import Layout
 
@@ -64,10 +64,10 @@ class Limits:
         self._cache.pop(queue, None)
 
     def waiting(self, queue: str) -> int:
-        """Jobs not yet started: entries minus claims (one stat read each, pipelined)."""
-        calls = [self.zk.exists_async(self.layout.pending(queue, p)) for p in defaults.PRIORITIES]
+        """Jobs not yet started: entries (the child counts of the pending buckets) minus
+        claims."""
         running = self.zk.exists_async(self.layout.claims(queue))
-        depth = sum(s.numChildren for c in calls if (s := c.get()) is not None)
+        depth = sum(counts.depth(self.zk, self.layout, queue).values())
         claims = running.get()
         return depth - (claims.numChildren if claims else 0)
 

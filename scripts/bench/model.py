@@ -137,7 +137,7 @@ def _worker_run(
     client.submit_many(
         [{"prompt": t, "max_new_tokens": max_new} for t in texts], queue=QUEUE, detach=True
     )
-    results = client.layout.results(QUEUE)
+    results = client.layout.expiry(QUEUE)
     agent.call("go")
     elapsed = agent.call("wait_completed", timeout=330, n=len(texts), limit=300)
     if elapsed is None:
@@ -153,8 +153,11 @@ def _worker_run(
     return elapsed, stopped.get("timers", {})
 
 
-def _ids(bench: Bench, results: str) -> list[str]:
-    return list(bench.zk.get_children(results))[:4]
+def _ids(bench: Bench, expiry: str) -> list[str]:
+    """A few finished job ids, from the expiry index (index names are ``<id>-<bytes>``)."""
+    ids = [n.split("-")[0] for t in bench.zk.get_children(expiry)
+           for n in bench.zk.get_children(f"{expiry}/{t}")]  # fmt: skip
+    return ids[:4]
 
 
 def _summary(
