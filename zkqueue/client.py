@@ -13,7 +13,7 @@ from kazoo.exceptions import NoNodeError
 
 from zkqueue import counts, defaults, listing, protocol
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
-from zkqueue.deadletters import list_dead, requeue
+from zkqueue.deadletters import list_dead, purge, requeue
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import Job
@@ -280,6 +280,7 @@ class Client:
         """Depth per queue and priority (running jobs included), running jobs, waiting slots,
         results and dead letters, and live workers; each number is one stat read."""
         with self.mapped():
+            self.check_protocol()
             queues = {q: self._queue_stats(q) for q in self.queue_names()}
             workers = self.zk.exists(self.layout.workers())
             return {"queues": queues, "workers": workers.numChildren if workers else 0}
@@ -309,6 +310,12 @@ class Client:
             return list_dead(
                 self.zk, self.layout, [check_queue(queue)] if queue else self.queue_names()
             )
+
+    def purge_dead(self, queue: str | None = None, older_than: float | None = None) -> int:
+        """Delete dead letters of one queue or of all (those older than ``older_than`` s)."""
+        with self.mapped():
+            queues = [check_queue(queue)] if queue else self.queue_names()
+            return sum(purge(self.zk, self.layout, q, older_than=older_than) for q in queues)
 
     def requeue(self, job_id: str | None = None, queue: str | None = None) -> builtins.list[Job]:
         """Enqueue dead-lettered jobs again (one by id, or all of them when ``job_id`` is None).

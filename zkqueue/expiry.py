@@ -57,13 +57,12 @@ class Expiry:
         self._sample(ticks)
         cutoff = int((now - ttl) // defaults.EXPIRY_TICK)
         budget, removed = self.limits.page, 0
-        for tick in ticks[:-1] if len(ticks) > 1 else ticks:
-            over = self._over(stored - removed)
-            if (not tick.isdigit() or int(tick) >= cutoff) and not over:
+        for tick in ticks:
+            expired = tick.isdigit() and int(tick) < cutoff
+            excess = self._excess(stored - removed)
+            if budget <= 0 or (not expired and excess <= 0):
                 break
-            if budget <= 0:
-                break
-            gone, used, emptied = self._drain(tick, budget)
+            gone, used, emptied = self._drain(tick, budget if expired else min(budget, excess))
             removed, budget = removed + gone, budget - used
             if not emptied:
                 break
@@ -71,8 +70,13 @@ class Expiry:
         self._warn(left)
         return removed, left, self._bytes(left)
 
-    def _over(self, stored: int) -> bool:
-        return stored > self.limits.max_results or self._bytes(stored) > self.limits.max_bytes
+    def _excess(self, stored: int) -> int:
+        """Results beyond the bound: by count, or by estimated bytes over the mean size."""
+        over = stored - self.limits.max_results
+        size = self._bytes(stored)
+        if size > self.limits.max_bytes and stored:
+            over = max(over, -(-(size - self.limits.max_bytes) * stored // size))
+        return over
 
     def _bytes(self, stored: int) -> int:
         """Estimated bytes of ``stored`` records: their count times the mean record size of the

@@ -115,6 +115,7 @@ for _command in (
     ops.workers,
     ops.dead,
     ops.requeue,
+    ops.migrate,
     ops.queue_limit,
     ops.top,
     ops.metrics,
