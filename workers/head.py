@@ -61,9 +61,12 @@ class HeadTurn:
         """Claim up to ``free`` admissible entries not in ``exclude``. Returns each claim with the
         KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
         for us), or None if a race was lost."""
+        # The first candidates the view already knows are read in the same round trip as the
+        # refresh: in the steady state a turn is that one read and the claim multi.
+        reads = self._read(list(islice(self.view.candidates(exclude), free)))
         self.view.refresh()
         self._letter_malformed()
-        picked = self._pick(free, exclude)
+        picked = self._pick(free, exclude, reads)
         if not picked:
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
@@ -71,12 +74,27 @@ class HeadTurn:
         if claimed is None:
             self.view.invalidate()
             return None
+        if not rejoin:
+            self.view.unwatch()  # out of the line: the next head watches, not us
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again and only the claims watch will say so.
         self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
 
-    def _pick(self, want: int, exclude: set[str]) -> list[Candidate]:
+    def _read(self, part: list[tuple[str, EntryName]]) -> dict[tuple[str, EntryName], Any]:
+        """Each entry's data, and whether its id already has a result (a raw producer's
+        duplicate), pipelined: one round trip."""
+        return {
+            (p, e): (
+                self.zk.get_async(self.claims.entry_path(p, e)),
+                self.zk.exists_async(self.layout.result(self.queue, e.job_id)),
+            )
+            for p, e in part
+        }
+
+    def _pick(
+        self, want: int, exclude: set[str], reads: dict[tuple[str, EntryName], Any]
+    ) -> list[Candidate]:
         picked: list[Candidate] = []
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         start = 0
@@ -85,15 +103,8 @@ class HeadTurn:
             chunk = want if start == 0 else max(want, 4)
             part = ordered[start : start + chunk]
             start += chunk
-            # Each entry's data, and whether its id already has a result (a raw producer's
-            # duplicate), pipelined: one round trip.
-            calls = [
-                (
-                    self.zk.get_async(self.claims.entry_path(p, e)),
-                    self.zk.exists_async(self.layout.result(self.queue, e.job_id)),
-                )
-                for p, e in part
-            ]
+            fresh = self._read([c for c in part if c not in reads])
+            calls = [reads.get(c) or fresh[c] for c in part]
             for (priority, entry), (call, result) in zip(part, calls, strict=True):
                 try:
                     data, stat = call.get()

@@ -114,7 +114,13 @@ class Worker:
         )
         self.bridge = RunnerBridge(zk, runner, self.claims, self.held, self._post, self.id)
         self.completer = Completer(
-            self.claims, self.line, self.admission, self.metrics, self.id, self._forget
+            self.claims,
+            self.line,
+            self.admission,
+            self.metrics,
+            self.id,
+            self._forget,
+            self.bridge.unwatch,
         )
         self.liveness = Liveness(
             self.claims,
@@ -328,6 +334,7 @@ class Worker:
     def _forget(self, job: RunningJob) -> None:
         if job.claim is not None:
             self.held.pop(job.claim.entry.name, None)
+            self.bridge.forget(job)
 
     def _room_after(self) -> bool:
         return self.opts.max_jobs is None or self._stats.claimed < self.opts.max_jobs

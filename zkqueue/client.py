@@ -228,24 +228,29 @@ class Client:
         raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
 
     def _find_job(self, queue: str, job_id: str) -> Job | None:
-        """A job by id: its result, its claim (running), or its entry (by listing buckets)."""
+        """A job by id: its result, its claim (running), or its entry (by listing buckets).
+        The result is read again last: a job that ended while we looked has one by then."""
         self.check_protocol()
-        try:
-            data, _ = self.zk.get(self.layout.result(queue, job_id))
-        except NoNodeError:
-            data = None
-        if data is not None:
-            record = Result.from_bytes(data, f"result of job {job_id} in queue {queue!r}")
-            return Job(self, job_id, queue, record.priority)
+        found = self._finished(queue, job_id)
+        if found is not None:
+            return found
         running = self._claimed_entry(queue, job_id)
         if running is not None:
             priority, _, entry = running.partition("/")
             return Job(self, job_id, queue, priority, entry)
         for priority in defaults.PRIORITIES:
-            found = counts.find(self.zk, self.layout, queue, priority, job_id)
-            if found is not None:
-                return Job(self, job_id, queue, priority, found)
-        return None
+            name = counts.find(self.zk, self.layout, queue, priority, job_id)
+            if name is not None:
+                return Job(self, job_id, queue, priority, name)
+        return self._finished(queue, job_id)
+
+    def _finished(self, queue: str, job_id: str) -> Job | None:
+        try:
+            data, _ = self.zk.get(self.layout.result(queue, job_id))
+        except NoNodeError:
+            return None
+        record = Result.from_bytes(data, f"result of job {job_id} in queue {queue!r}")
+        return Job(self, job_id, queue, record.priority)
 
     def queue_names(self) -> list[str]:
         with self.mapped():

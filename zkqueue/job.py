@@ -14,6 +14,7 @@ from zkqueue import claims
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
+from zkqueue.watches import remove_data_watch
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -215,17 +216,18 @@ class Job:
         entry_path = self.entry_path
         # Read the entry before the result: complete() deletes the one and creates the other
         # in a single transaction, so "no entry, then no result" means nothing will come. The
-        # three reads are pipelined (one round trip): a session's requests run in order. The
-        # entry is watched with a get, which sets no watch when the entry is already gone (an
-        # exists watch on a missing node would outlive the job: a long-lived client leaks one
-        # per job).
-        entry_call = zk.get_async(entry_path, watch=watch) if entry_path else None
+        # three reads are pipelined (one round trip): a session's requests run in order. Only
+        # the result is watched (a job costs its caller one notification); the entry's end
+        # without a result (a withdrawal) is seen at the next periodic look.
+        entry_call = zk.exists_async(entry_path) if entry_path else None
         result_watch = zk.exists_async(self.result_path, watch=watch)
         result_call = zk.get_async(self.result_path)
         entry_alive = entry_call is None or _exists(entry_call)
-        result_watch.get()
+        watched = result_watch.get()
         try:
             data, _ = result_call.get()
+            if watched is not None:  # the watch went onto the existing result: take it back
+                remove_data_watch(zk, self.result_path, watch)
             self._result_size = len(data)
             return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
         except NoNodeError:
@@ -313,10 +315,9 @@ class Job:
 
 def _exists(call: Any) -> bool:
     try:
-        call.get()
+        return call.get() is not None
     except NoNodeError:
         return False
-    return True
 
 
 def _setter(event: threading.Event) -> Any:

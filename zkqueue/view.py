@@ -20,6 +20,7 @@ from kazoo.protocol.states import WatchedEvent
 from zkqueue import defaults
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, bucket_name, parse_bucket
+from zkqueue.watches import remove_child_watch
 
 log = logging.getLogger("zkq.view")
 CLAIMS = "claims"
@@ -74,9 +75,12 @@ class PendingView:
             self._dirty.add(part)
 
     def refresh(self) -> None:
-        """Re-list what changed since the last refresh (pipelined, re-arming each watch), then
-        list the next buckets of any priority short of candidates."""
+        """Re-list what changed since the last refresh (pipelined, re-arming each watch) and the
+        claims (never watched: a job's claim and completion notify nobody; the loop's periodic
+        turn sees a claim that vanished), then list the next buckets of any priority short of
+        candidates."""
         dirty, self._dirty = self._dirty, set()
+        dirty.add(CLAIMS)
         self._read(dirty)
         for _ in range(8):
             more = self._short()
@@ -95,6 +99,14 @@ class PendingView:
                     if entry.job_id not in self.claimed and entry.name not in exclude:
                         yield priority, entry
 
+    def unwatch(self) -> None:
+        """Stop watching (this worker leaves the head of the line): remove the child watches it
+        set, so later changes notify the new head only; everything is re-listed next time."""
+        for part, watch in self._watches.items():
+            remove_child_watch(self.zk, self._path(part), watch)
+        self._watches.clear()
+        self.invalidate()
+
     def drop(self, priority: str, entry: EntryName) -> None:
         """Forget an entry that is gone (its bucket's watch will confirm it)."""
         entries = self.listed.get((priority, entry.bucket), [])
@@ -103,7 +115,9 @@ class PendingView:
 
     def _read(self, parts: set[Part]) -> None:
         calls = {
-            part: self.zk.get_children_async(self._path(part), watch=self._watch(part))
+            part: self.zk.get_children_async(
+                self._path(part), watch=None if part == CLAIMS else self._watch(part)
+            )
             for part in parts
         }
         self.listings += len(calls)
