@@ -32,6 +32,8 @@ log = logging.getLogger("zkq.worker")
 
 #: Entries the head reads in one turn at most: keeps the serial part of dispatch short.
 _SCAN_LIMIT = 64
+#: Candidates read ahead of the refresh beyond the free slots.
+_PREFETCH_EXTRA = 4
 
 
 @dataclass
@@ -54,6 +56,8 @@ class HeadTurn:
     queue: str
     max_attempts: int
     stats: HeadStats = field(default_factory=HeadStats)
+    #: Entries this turn found gone (the view's listing was stale).
+    _gone: int = 0
 
     def turn(
         self, free: int, exclude: set[str], rejoin_if_room: bool
@@ -62,12 +66,18 @@ class HeadTurn:
         KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
         for us), or None if a race was lost."""
         # The first candidates the view already knows are read in the same round trip as the
-        # refresh: in the steady state a turn is that one read and the claim multi.
-        reads = self._read(list(islice(self.view.candidates(exclude), free)))
-        self.view.refresh()
+        # refresh: in the steady state a turn is that one read and the claim multi. A few more
+        # than the free slots: entries other workers finished since are found gone here.
+        known = islice(self.view.candidates(exclude), min(free + _PREFETCH_EXTRA, _SCAN_LIMIT))
+        reads = self._read(list(known))
+        self.view.refresh(free, frozenset(exclude))
         self._letter_malformed()
+        self._gone = 0
         picked = self._pick(free, exclude, reads)
         if not picked:
+            if self._gone:  # the view was stale (its entries had ended): list again, retry
+                self.view.invalidate()
+                return None
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
         claimed = self.claims.claim(picked, self.line, rejoin=rejoin)
@@ -83,14 +93,13 @@ class HeadTurn:
 
     def _read(self, part: list[tuple[str, EntryName]]) -> dict[tuple[str, EntryName], Any]:
         """Each entry's data, and whether its id already has a result (a raw producer's
-        duplicate), pipelined: one round trip."""
-        return {
-            (p, e): (
-                self.zk.get_async(self.claims.entry_path(p, e)),
-                self.zk.exists_async(self.layout.result(self.queue, e.job_id)),
-            )
-            for p, e in part
-        }
+        duplicate), pipelined: one round trip. The result is read first: a result there
+        before the entry is read is a duplicate's, not that of a completion in between."""
+        reads = {}
+        for p, e in part:
+            result = self.zk.exists_async(self.layout.result(self.queue, e.job_id))
+            reads[(p, e)] = (self.zk.get_async(self.claims.entry_path(p, e)), result)
+        return reads
 
     def _pick(
         self, want: int, exclude: set[str], reads: dict[tuple[str, EntryName], Any]
@@ -110,6 +119,7 @@ class HeadTurn:
                     data, stat = call.get()
                 except NoNodeError:
                     self.view.drop(priority, entry)
+                    self._gone += 1
                     continue
                 if result.get() is not None:
                     self._duplicate(priority, entry, data, stat)

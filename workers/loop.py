@@ -335,6 +335,7 @@ class Worker:
         if job.claim is not None:
             self.held.pop(job.claim.entry.name, None)
             self.bridge.forget(job)
+            self.view.drop(job.claim.priority, job.claim.entry)
 
     def _room_after(self) -> bool:
         return self.opts.max_jobs is None or self._stats.claimed < self.opts.max_jobs

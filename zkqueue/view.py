@@ -3,14 +3,21 @@ kept current by child watches that only the head of the line sets.
 
 The view is depth-flat: per priority it lists the bucket names (one per ~1,000 entries) and only
 the first buckets, until it holds enough unclaimed candidates; a bucket's names are parsed once
-(cached by name), and a bucket is listed again only when its watch fires. Empty buckets before
-the tail are deleted (no producer can create in them any more: their multis check the tail)."""
+(cached by name). A bucket before the tail never gains an entry (producers' multis check the
+tail), so it is listed once more when it stops being the tail and never again; its finished
+entries are dropped when a read finds them gone. Empty buckets before the tail are deleted.
+
+Watches are set only when the head runs short of candidates (it is waiting for arrivals): then
+on the bucket names and the tail bucket of each priority. A busy head sets none, so completions
+notify nobody; it re-lists (unwatched) only the tail buckets of priorities above its best
+candidate, so a more urgent arrival is never passed over."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -41,6 +48,7 @@ class _Watch:
 
     def __call__(self, event: WatchedEvent) -> None:
         self.view.events += 1
+        self.view.armed.discard(self.part)
         self.view.on_change(self.part)
 
 
@@ -61,6 +69,8 @@ class PendingView:
     events: int = 0
     #: Child listings this view made (benchmarks count them).
     listings: int = 0
+    #: Parts with a child watch set on the server.
+    armed: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._dirty: set[Part] = {*defaults.PRIORITIES, CLAIMS}
@@ -74,19 +84,36 @@ class PendingView:
         else:
             self._dirty.add(part)
 
-    def refresh(self) -> None:
-        """Re-list what changed since the last refresh (pipelined, re-arming each watch) and the
-        claims (never watched: a job's claim and completion notify nobody; the loop's periodic
-        turn sees a claim that vanished), then list the next buckets of any priority short of
-        candidates."""
+    def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
+        """Re-list what changed since the last refresh, the claims (never watched: a job's
+        claim and completion notify nobody; the loop's periodic turn sees a claim that
+        vanished) and the tails above the best candidate, pipelined; list the next buckets of
+        any priority short of candidates; and when fewer than ``want`` candidates remain, list
+        the bucket names and tails again with watches, to hear of arrivals."""
         dirty, self._dirty = self._dirty, set()
-        dirty.add(CLAIMS)
-        self._read(dirty)
+        self._read(dirty | {CLAIMS} | self._tails_above(exclude))
         for _ in range(8):
-            more = self._short()
+            more, self._dirty = self._short() | self._dirty, set()
             if not more:
-                return
+                break
             self._read(more)
+        if len(list(islice(self.candidates(set(exclude)), want))) < want:
+            self._read(self._wanted() - self.armed, arm=True)
+
+    def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
+        """The listed tail buckets of the priorities ranked above the best candidate's."""
+        best = next(self.candidates(set(exclude)), None)
+        above = defaults.PRIORITIES[: defaults.PRIORITIES.index(best[0])] if best else ()
+        return {
+            (p, self.buckets[p][-1])
+            for p in above
+            if self.buckets.get(p) and (p, self.buckets[p][-1]) not in self.armed
+        }
+
+    def _wanted(self) -> set[Part]:
+        """What a waiting head watches: each priority's bucket names and its tail bucket."""
+        tails = {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
+        return {*defaults.PRIORITIES, *tails}
 
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
         """Unclaimed entries in dispatch order: priority rank, then bucket and sequence."""
@@ -100,12 +127,16 @@ class PendingView:
                         yield priority, entry
 
     def unwatch(self) -> None:
-        """Stop watching (this worker leaves the head of the line): remove the child watches it
-        set, so later changes notify the new head only; everything is re-listed next time."""
-        for part, watch in self._watches.items():
-            remove_child_watch(self.zk, self._path(part), watch)
-        self._watches.clear()
-        self.invalidate()
+        """Stop watching (this worker leaves the head of the line): remove the bucket watches
+        it set, so later arrivals and completions notify the new head only (the bucket names'
+        watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
+        time."""
+        for part in [p for p in self.armed if not isinstance(p, str)]:
+            watch = self._watches.get(part)
+            if watch is not None:
+                remove_child_watch(self.zk, self._path(part), watch)
+            self.armed.discard(part)
+            self._dirty.add(part)
 
     def drop(self, priority: str, entry: EntryName) -> None:
         """Forget an entry that is gone (its bucket's watch will confirm it)."""
@@ -113,13 +144,15 @@ class PendingView:
         if entry in entries:
             entries.remove(entry)
 
-    def _read(self, parts: set[Part]) -> None:
+    def _read(self, parts: set[Part], arm: bool = False) -> None:
         calls = {
             part: self.zk.get_children_async(
-                self._path(part), watch=None if part == CLAIMS else self._watch(part)
+                self._path(part), watch=self._watch(part) if arm else None
             )
             for part in parts
         }
+        if arm:
+            self.armed |= set(parts)
         self.listings += len(calls)
         for part, call in calls.items():
             try:
@@ -149,16 +182,23 @@ class PendingView:
                 if not entries and bucket != numbers[-1]:
                     self._remove_bucket(key)
                     continue
-                have += sum(1 for e in entries if e.job_id not in self.claimed)
+                for e in entries:
+                    have += e.job_id not in self.claimed
+                    if have >= WANT:
+                        break
                 if have >= WANT:
                     break
         return more
 
     def _remove_bucket(self, key: tuple[str, int]) -> None:
         self.zk.delete_async(self._path(key))  # NotEmpty or NoNode: someone else's business
+        self._forget(key)
+
+    def _forget(self, key: tuple[str, int]) -> None:
         self.listed.pop(key, None)
         self._parsed.pop(key, None)
         self._watches.pop(key, None)
+        self.armed.discard(key)
 
     def _store_buckets(self, priority: str, names: list[str]) -> None:
         numbers, bad = [], []
@@ -169,14 +209,15 @@ class PendingView:
             else:
                 numbers.append(number)
         numbers.sort()
+        old = self.buckets.get(priority)
+        if old and numbers and numbers[-1] > old[-1] and (priority, old[-1]) in self.listed:
+            self._dirty.add((priority, old[-1]))  # no longer the tail: list it once more
         self.buckets[priority] = numbers
         inside = [m for m in self.malformed.get(priority, []) if "/" in m]
         self.malformed[priority] = bad + inside
         present = set(numbers)
         for key in [k for k in self.listed if k[0] == priority and k[1] not in present]:
-            self.listed.pop(key, None)
-            self._parsed.pop(key, None)
-            self._watches.pop(key, None)
+            self._forget(key)
 
     def _store(self, key: tuple[str, int], names: list[str]) -> None:
         priority, bucket = key
