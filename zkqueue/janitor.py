@@ -41,7 +41,7 @@ from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.janitor")
 #: Pending buckets per priority whose new entries one pass reads (their specs, once).
-_BUCKETS_PER_PASS = 2
+_BUCKETS_PER_PASS = 1
 
 
 @dataclass

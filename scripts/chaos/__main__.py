@@ -13,6 +13,7 @@ duplicated), 1 otherwise. Each scenario starts its own ZooKeeper on loopback.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -27,8 +28,6 @@ from typing import Any
 
 from scripts.chaos.audit import ChaosReport
 from scripts.chaos.scenarios import SCENARIOS
-
-REPO = Path(__file__).resolve().parents[2]
 
 #: Sizes of the full run (each scenario runs 3 times): about 5 minutes on a 2-core machine.
 FULL: dict[str, dict[str, Any]] = {
@@ -145,10 +144,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (the tests' sizes)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {list(FULL)}")
-    parser.add_argument("--out", default=str(REPO / "RELIABILITY.md"), help="markdown report")
+    parser.add_argument(
+        "--out",
+        default="chaos-results/RELIABILITY.md",
+        help="markdown report (the tracked RELIABILITY.md only when named)",
+    )
     parser.add_argument("--repeat", type=int, default=None, help="runs per scenario (3; 1 quick)")
     parser.add_argument("--json", default=None, help="also write the raw reports here")
+    parser.add_argument(
+        "--session-timeout", type=float, default=None, help="every session's timeout (s)"
+    )
+    parser.add_argument("--lease", type=float, default=None, help="the hung scenario's lease")
+    parser.add_argument(
+        "--janitor-interval", type=float, default=None, help="the hung scenario's janitor"
+    )
     return parser.parse_args(argv)
+
+
+def timeouts(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The timeouts given on the command line that scenario ``name`` takes."""
+    given = {
+        "session_timeout": args.session_timeout,
+        "lease": args.lease,
+        "janitor_interval": args.janitor_interval,
+    }
+    accepted = inspect.signature(SCENARIOS[name]).parameters
+    return {k: v for k, v in given.items() if v is not None and k in accepted}
 
 
 def chosen(args: argparse.Namespace) -> list[str]:
@@ -326,13 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen(args):
         for i in range(repeat):
             print(f"-- {name} run {i + 1}/{repeat} {sizes[name]}", flush=True)
-            report = run_one(name, sizes[name])
+            report = run_one(name, {**sizes[name], **timeouts(args, name)})
             print(report.summary(), flush=True)
             if not report.ok:
                 print(report.logs[-4000:], file=sys.stderr)
             runs.setdefault(name, []).append(report)
     elapsed = time.monotonic() - started
     reports = [merge(r) for r in runs.values()]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(markdown(reports, argv, elapsed))
     if args.json:
         raw = {name: [r.to_dict() for r in rs] for name, rs in runs.items()}
