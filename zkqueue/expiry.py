@@ -19,8 +19,6 @@ from zkqueue import counts, defaults
 from zkqueue.layout import Layout, child, parse_index_name
 
 log = logging.getLogger("zkq.janitor")
-#: Seconds a result's creation may lie after its tick (the worker's clock against the server's).
-_SLACK = 120.0
 #: Share of a bound at which the janitor warns.
 _WARN_AT = 0.9
 
@@ -124,23 +122,29 @@ class Expiry:
         bucket = self.layout.expiry_bucket(self.queue, tick)
         names = self._names(tick)
         page = names[:budget]
-        latest = ((int(tick) + 1) * defaults.EXPIRY_TICK + _SLACK) * 1000 if tick.isdigit() else 0
         gone = 0
         step = self.limits.in_flight
         for start in range(0, len(page), step):
             chunk = page[start : start + step]
             ids = [(n, p[0] if (p := parse_index_name(n)) else None) for n in chunk]
             stats = [
-                (n, j, self.zk.exists_async(self.layout.result(self.queue, j)) if j else None)
+                (
+                    n,
+                    j,
+                    self.zk.exists_async(child(bucket, n)),
+                    self.zk.exists_async(self.layout.result(self.queue, j)) if j else None,
+                )
                 for n, j in ids
             ]
             results, index = [], []
-            for name, job_id, call in stats:
-                stat = call.get() if call is not None else None
-                # A result written after its tick belongs to a later index node (requeued id).
-                if stat is not None and job_id is not None and stat.ctime <= latest:
+            for name, job_id, idx_call, res_call in stats:
+                idx = idx_call.get()
+                res = res_call.get() if res_call is not None else None
+                # The result and its index node were created by one multi (one zxid); a result
+                # with another zxid was written later under the same id (requeued): not ours.
+                if idx is not None and res is not None and job_id and res.czxid == idx.czxid:
                     path = self.layout.result(self.queue, job_id)
-                    results.append(self.zk.delete_async(path, stat.version))
+                    results.append(self.zk.delete_async(path, res.version))
                 index.append(self.zk.delete_async(child(bucket, name)))
             gone += sum(_done(call) for call in results)
             for call in index:
