@@ -1,4 +1,5 @@
-"""zkq chaos run: every fault-injection scenario, then RELIABILITY.md with the figures.
+"""zkq chaos run: every fault-injection scenario, then a RELIABILITY.md-style report (written to
+--out: chaos-results/RELIABILITY.md unless told otherwise).
 
 Real ZooKeeper servers, real worker processes, all on loopback. From the repository root:
 
@@ -307,9 +308,9 @@ def markdown(reports: list[ChaosReport], argv: list[str], elapsed: float) -> str
         "is withdrawn by design). Each scenario below runs real ZooKeeper servers (Debian's "
         "package) and real `zkq worker` processes on loopback, injects one fault under load, "
         "waits for the queue to drain and audits it: every submitted job's result, entries or "
-        "claims left behind, results nobody submitted, and results written twice (the results "
-        "directory's `cversion` counts every create and delete of a result, so a second answer "
-        "cannot hide).",
+        "claims left behind, results nobody submitted, and results written twice (each result "
+        "bucket's `cversion` counts every create and delete of a result in it, so a second "
+        "answer cannot hide). Layout: protocol version 2 (docs/PROTOCOL.md).",
         "",
         f"Reproduce: `{command(argv)}` (whole run {elapsed:.0f} s on {environment()}). "
         "The same scenarios at small sizes run in the tests: "
