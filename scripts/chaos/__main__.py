@@ -133,9 +133,10 @@ Known and not fixed here:
 - `Client.submit` that loses the connection mid-create and does not get it back within
   `connect_timeout` raises `ZkqConnectionError` although the job may exist: the caller cannot
   know its id. The scenarios pause the producer while the ensemble has no quorum for that reason.
-- A hand-made entry that reuses the id of a finished job runs `max_attempts` times (each
-  completion refused because the result exists) before it is dead-lettered; a check for an
-  existing result at claim time would save those runs.
+- A hand-made entry that reuses the id of a finished job is dead-lettered as a duplicate when
+  the head reaches it (it never runs). One narrow window remains: if the first job completes
+  between the head's read of the duplicate and its claim, the duplicate runs once and its
+  completion is refused (the result exists).
 """
 
 
