@@ -48,6 +48,22 @@ def wait_for(
         time.sleep(interval)
 
 
+def result_ids(client: Client, queue: str = "default") -> list[str]:
+    """Ids of every stored result of a queue (its 256 result buckets, listed pipelined)."""
+    from zkqueue.layout import RESULT_BUCKETS
+
+    calls = [
+        client.zk.get_children_async(client.layout.result_dir(queue, b)) for b in RESULT_BUCKETS
+    ]
+    out: list[str] = []
+    for call in calls:
+        try:
+            out += call.get()
+        except Exception:  # a bucket not created yet
+            continue
+    return sorted(out)
+
+
 def flush_watches(zk: KazooClient) -> None:
     """Return once every watch notification the server sent this session so far has run."""
     zk.sync("/")

@@ -146,8 +146,9 @@ def test_workers_and_queue_limit(hosts: str, root: str, client: Client, start_wo
 
 def test_waiting_on_many_jobs_holds_no_thread_per_job(hosts: str, root: str, start_worker) -> None:
     async def body(aio: AsyncClient) -> tuple[int, int, list[str]]:
-        base = threading.active_count()  # kazoo's threads, the pool thread that connected
         jobs = [await aio.submit(f"job {i}") for i in range(200)]
+        # kazoo's threads and the pool threads that connected and enqueued (a fixed few)
+        base = threading.active_count()
         waits = asyncio.ensure_future(asyncio.gather(*(j.result(timeout=60) for j in jobs)))
         await asyncio.sleep(0.3)
         during = threading.active_count()

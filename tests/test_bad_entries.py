@@ -29,7 +29,7 @@ def test_malformed_entries_are_dead_lettered_and_the_next_job_runs(
     client: Client, start_worker
 ) -> None:
     client.ensure_queue("default")
-    pending = client.layout.pending("default", "high")
+    pending = client.layout.bucket("default", "high", 0)
     for job_id, data in GARBAGE:
         client.zk.create(f"{pending}/{job_id}-", data, sequence=True)
     client.zk.create(f"{pending}/no_sequence_here", b'{"prompt": "x"}')
@@ -40,12 +40,12 @@ def test_malformed_entries_are_dead_lettered_and_the_next_job_runs(
     assert runner.seen == ["fine"]
     dead = _dead(client)
     assert len(dead) == len(GARBAGE) + 1
-    reasons = {d["entry"].split("-")[0]: d["reason"] for d in dead.values()}
+    reasons = {d["entry"].rsplit("/", 1)[-1].split("-")[0]: d["reason"] for d in dead.values()}
     assert "not valid JSON" in reasons["badjson"]
     assert "not UTF-8" in reasons["notutf8"]
     assert "prompt must be a string" in reasons["wrongtype"]
     assert "unknown field" in reasons["unknown"]
-    assert "is not <id>-<sequence>" in reasons["no_sequence_here"]
+    assert "is not <bucket>/<id>-<sequence>" in reasons["no_sequence_here"]
     for job_id, _ in GARBAGE:
         assert client.job(job_id).result(timeout=1).status == "dead"
     assert handle.worker.stats.dead_lettered == len(GARBAGE) + 1
@@ -54,7 +54,9 @@ def test_malformed_entries_are_dead_lettered_and_the_next_job_runs(
 def test_hand_written_entry_like_zkcli_runs(client: Client, start_worker) -> None:
     """What docs/PROTOCOL.md tells other-language producers to do."""
     client.ensure_queue("default")
-    pending = client.layout.pending("default", "normal")
+    # The tail bucket is named by the priority node's data (a new queue: bucket 0).
+    tail = client.zk.get(client.layout.pending("default", "normal"))[0].decode() or "0"
+    pending = client.layout.bucket("default", "normal", int(tail))
     path = client.zk.create(f"{pending}/handmade1-", b'{"prompt": "from zkCli"}', sequence=True)
     start_worker()
     assert path.rsplit("/", 1)[1].startswith("handmade1-")
@@ -72,7 +74,7 @@ def test_random_bytes_in_real_znodes_never_stop_the_worker(
     if not hasattr(client, "_hyp_worker"):
         client._hyp_worker = start_worker()  # type: ignore[attr-defined]
     client.ensure_queue("default")
-    pending = client.layout.pending("default", "normal")
+    pending = client.layout.bucket("default", "normal", 0)
     path = client.zk.create(f"{pending}/fuzz-", data, sequence=True)
     after = client.submit("still alive", detach=True)
     assert after.result(timeout=10).ok

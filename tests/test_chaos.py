@@ -15,7 +15,7 @@ from kazoo.protocol.connection import _CONNECTION_DROP
 
 from scripts.chaos import crashes, garbage, outages
 from scripts.chaos.audit import ChaosReport
-from tests.conftest import wait_for
+from tests.conftest import result_ids, wait_for
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.janitor import JanitorService
@@ -176,7 +176,7 @@ def test_completion_whose_reply_was_lost_does_not_stall_the_line(
     assert lost and (record.status, record.attempts) == ("succeeded", 1)
     assert client.submit("and the next", detach=True).result(timeout=10).ok
     wait_for(lambda: len(_line_nodes(client)) == 1, message="one place in the line")
-    assert len(client.zk.get_children(client.layout.results("default"))) == 2
+    assert len(result_ids(client)) == 2
 
 
 def test_connection_lost_while_watching_a_claimed_job_still_runs_it(
@@ -234,7 +234,7 @@ def test_entry_with_a_child_node_is_dead_lettered(client: Client, start_worker) 
     """An entry with a node under it could never be deleted (NotEmpty): it ran max_attempts
     times, then dead-lettering failed on every turn and the job never ended."""
     client.ensure_queue("default")
-    path = f"{client.layout.pending('default', 'normal')}/nested-0000000001"
+    path = f"{client.layout.bucket('default', 'normal', 0)}/nested-0000000001"
     txn = client.zk.transaction()
     txn.create(path, b'{"prompt": "x"}')
     txn.create(f"{path}/child", b"")

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tests.conftest import running_on, wait_for
+from tests.conftest import result_ids, running_on, wait_for
 from zkqueue import Client
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def test_kill_9_mid_job_reruns_elsewhere_with_one_result(client: Client, spawn_w
     record = job.result(timeout=30)
     assert (record.status, record.worker, record.output) == ("succeeded", "rescuer", "survive me")
     assert record.attempts >= 2
-    assert client.zk.get_children(client.layout.results("default")) == [job.id]
+    assert result_ids(client) == [job.id]
     assert client.list() == []
 
 
@@ -47,4 +47,4 @@ def test_poison_job_is_dead_lettered_after_max_attempts(client: Client, spawn_wo
     assert record.status == "dead"
     assert "max_attempts=2" in (record.error or "")
     [letter] = client.zk.get_children(client.layout.dead("default"))
-    assert letter.startswith(job.id)
+    assert letter.startswith(f"normal.0000000000.{job.id}-")

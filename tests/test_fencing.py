@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import wait_for
+from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
 from zkqueue import Client
 from zkqueue.claims import Claims
@@ -35,7 +35,7 @@ def test_stale_worker_whose_claim_was_deleted_cannot_complete(client: Client, st
     assert stale.worker.stats.completed == 0
     assert stale.worker.stats.fenced == 1
     assert fresh.worker.stats.completed == 1
-    assert client.zk.get_children(client.layout.results("default")) == [job.id]
+    assert result_ids(client) == [job.id]
 
 
 def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
 from zkqueue import Client, QueueFull
 from zkqueue.errors import ExitCode, InvalidJob, JobNotFound
@@ -37,7 +37,7 @@ def test_hung_worker_loses_its_lease_and_is_fenced(
     hung_runner.gate.set()
     wait_for(lambda: hung.worker.busy == 0, message="hung worker woke up")
     assert hung.worker.stats.completed == 0
-    assert client.zk.get_children(client.layout.results("default")) == [job.id]
+    assert result_ids(client) == [job.id]
 
 
 def test_progressing_worker_keeps_its_lease(client: Client, start_worker, janitor: Janitor) -> None:
@@ -77,7 +77,7 @@ def test_old_results_are_removed(client: Client, start_worker) -> None:
         lambda: Janitor(client.zk, client.layout, result_ttl=0.05).run_pass().results_removed == 1,
         message="result removed",
     )
-    assert client.zk.get_children(client.layout.results("default")) == []
+    assert result_ids(client) == []
 
 
 def test_one_janitor_is_active_and_another_takes_over(client: Client, new_zk) -> None:
@@ -101,7 +101,7 @@ def test_one_janitor_is_active_and_another_takes_over(client: Client, new_zk) ->
 
 def test_dead_letters_can_be_listed_and_requeued(client: Client, start_worker, zkq) -> None:
     client.ensure_queue("default")
-    pending = client.layout.pending("default", "normal")
+    pending = client.layout.bucket("default", "normal", 0)
     client.zk.create(f"{pending}/fixable-", b'{"prompt": "x", "max_new_tokens": 2}', sequence=True)
     client.zk.create(f"{pending}/broken-", b"not json", sequence=True)
     # Simulate a poison job: three claims already spent.

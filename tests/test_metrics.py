@@ -140,7 +140,7 @@ def test_cluster_metrics_describe_a_populated_root(client: Client, start_worker)
     handle = start_worker(EchoRunner(delay=30), queue="gpu", slots=2)
     text = collect_once(client)
     assert value(text, "zkq_queue_idle_workers", queue="gpu") == 1
-    pending = client.layout.pending("gpu", "normal")
+    pending = client.layout.bucket("gpu", "normal", 0)
     client.zk.create(f"{pending}/broken-", b"not json", sequence=True)
     gpu = client.submit_many(["a", "b", "c"], queue="gpu")
     wait_for(

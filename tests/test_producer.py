@@ -2,41 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from kazoo.exceptions import ConnectionLoss
 
-from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError
+from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError, claims, counts
 from zkqueue.errors import JobNotFound
 
 
 def _all_entries(client: Client) -> list[str]:
-    out = []
-    for p in ("high", "normal", "low"):
-        path = client.layout.pending("default", p)
-        if client.zk.exists(path):
-            out += client.zk.get_children(path)
-    return out
+    return [e.name for _, e in counts.in_order(client.zk, client.layout, "default")]
+
+
+def _patch_enqueue(monkeypatch: Any, mode: Callable[[int], str]) -> list[int]:
+    """Make the n-th enqueue multi ``commit`` normally, ``lose`` its request, or ``commit+lose``
+    (commit, then lose the reply). Returns the sizes of the multis sent."""
+    real = claims.enqueue_async
+    sent: list[int] = []
+
+    def fake(zk: Any, checks: list[Any], entries: list[Any], ephemeral: bool) -> Any:
+        sent.append(len(entries))
+        how = mode(len(sent))
+        if how == "lose":
+            return _LostReply()
+        result = real(zk, checks, entries, ephemeral)
+        if how == "commit+lose":
+            result.get()
+            return _LostReply()
+        return result
+
+    monkeypatch.setattr(claims, "enqueue_async", fake)
+    return sent
 
 
 def test_connection_loss_after_a_create_does_not_enqueue_twice(client: Client, monkeypatch) -> None:
-    """The create reaches ZooKeeper but its answer is lost: the retry finds it by its token."""
+    """The create reaches ZooKeeper but its answer is lost: the retry finds it by its id."""
     client.ensure_queue("default")
-    real_create = client.zk.create
-    calls: list[str] = []
-
-    def create_then_lose(path: str, *args: Any, **kwargs: Any) -> str:
-        calls.append(path)
-        real_create(path, *args, **kwargs)
-        if len(calls) == 1:
-            raise ConnectionLoss("answer lost")
-        raise AssertionError("a second create must not happen")
-
-    monkeypatch.setattr(client.zk, "create", create_then_lose)
+    sent = _patch_enqueue(monkeypatch, lambda n: "commit+lose" if n == 1 else "fail")
     job = client.submit("exactly once", detach=True)
-    assert len(calls) == 1
+    assert sent == [1]
     entries = _all_entries(client)
     assert entries == [job.entry]
     assert job.status() == "pending"
@@ -44,18 +51,9 @@ def test_connection_loss_after_a_create_does_not_enqueue_twice(client: Client, m
 
 def test_connection_loss_before_the_create_creates_it(client: Client, monkeypatch) -> None:
     client.ensure_queue("default")
-    real_create = client.zk.create
-    calls: list[str] = []
-
-    def lose_then_create(path: str, *args: Any, **kwargs: Any) -> str:
-        calls.append(path)
-        if len(calls) == 1:
-            raise ConnectionLoss("request lost")
-        return str(real_create(path, *args, **kwargs))
-
-    monkeypatch.setattr(client.zk, "create", lose_then_create)
+    sent = _patch_enqueue(monkeypatch, lambda n: "lose" if n == 1 else "commit")
     job = client.submit("once", detach=True)
-    assert len(calls) == 2
+    assert sent == [1, 1]
     assert _all_entries(client) == [job.entry]
 
 
@@ -101,13 +99,7 @@ def test_unreachable_zookeeper_is_a_clear_error() -> None:
 def test_a_lost_enqueue_names_the_job_to_look_up(client: Client, monkeypatch) -> None:
     """If ZooKeeper does not come back in time, the error carries the id the create used."""
     client.ensure_queue("default")
-    real_create = client.zk.create
-
-    def create_then_lose(path: str, *args: Any, **kwargs: Any) -> str:
-        real_create(path, *args, **kwargs)
-        raise ConnectionLoss("answer lost")
-
-    monkeypatch.setattr(client.zk, "create", create_then_lose)
+    _patch_enqueue(monkeypatch, lambda n: "commit+lose")
     monkeypatch.setattr(client, "find_entry", _always_lose)
     monkeypatch.setattr(client, "settings", replace(client.settings, connect_timeout=0.2))
     with pytest.raises(ZkqConnectionError) as caught:
@@ -135,21 +127,10 @@ def test_submit_many_whose_multi_reply_was_lost_enqueues_each_job_once(
 ) -> None:
     """submit_many sends its creates in multis of up to 100. When a multi's reply is lost it
     committed as a whole or not at all: each id is looked up before it is created again."""
-    from zkqueue import claims
-
-    real = claims.enqueue_async
-    sent: list[int] = []
-
-    def lose_first(zk: Any, entries: list[Any], ephemeral: bool) -> Any:
-        sent.append(len(entries))
-        if len(sent) == 1:
-            if committed:
-                real(zk, entries, ephemeral).get()
-            return _LostReply()
-        return real(zk, entries, ephemeral)
-
-    monkeypatch.setattr(claims, "enqueue_async", lose_first)
+    first = "commit+lose" if committed else "lose"
+    sent = _patch_enqueue(monkeypatch, lambda n: first if n == 1 else "commit")
     jobs = client.submit_many([f"job {i}" for i in range(250)])
-    assert sent == [100, 100, 50]
+    # A lost multi that did not commit is sent again whole, after its ids were looked up.
+    assert sent == ([100, 100, 50] if committed else [100, 100, 50, 100])
     entries = _all_entries(client)
     assert sorted(entries) == sorted(j.entry for j in jobs) and len(set(entries)) == 250

@@ -149,4 +149,11 @@ def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:
     assert out.returncode == 0, out.stderr
     assert "reclaimed 0 lapsed lease(s)" in out.stdout and "removed 0 result(s)" in out.stdout
     report = json.loads(zkq("janitor", "--once", "--json").stdout)
-    assert report == {"reclaimed": [], "expired": [], "results_removed": 0}
+    assert report == {
+        "reclaimed": [],
+        "expired": [],
+        "results_removed": 0,
+        "dead_removed": 0,
+        "results_stored": {"default": 0},
+        "results_bytes": {"default": 0},
+    }

@@ -263,9 +263,9 @@ def test_ctrl_c_says_what_was_submitted(
 
 # -- README's exit codes -------------------------------------------------------------------
 
-#: Codes other tests of this file assert: the timeouts (tests/test_timeouts.py asserts 4 and 6
-#: too) and Ctrl-C.
-ELSEWHERE = {ExitCode.OK, ExitCode.TIMEOUT, ExitCode.INTERRUPTED}
+#: Codes other tests assert: the timeouts (tests/test_timeouts.py asserts 4 and 6 too), Ctrl-C,
+#: and a withdrawn request (tests/test_protocol.py).
+ELSEWHERE = {ExitCode.OK, ExitCode.TIMEOUT, ExitCode.INTERRUPTED, ExitCode.WITHDRAWN}
 
 
 def readme_exit_codes() -> dict[int, str]:

@@ -21,6 +21,7 @@ from workers.runners.base import CancelReason, Runner, RunningJob
 from zkqueue import defaults
 from zkqueue.claims import Claims
 from zkqueue.logs import job_context
+from zkqueue.watches import remove_data_watch
 
 log = logging.getLogger("zkq.worker")
 
@@ -44,6 +45,8 @@ class RunnerBridge:
         self.post = post
         self.worker_id = worker_id
         self.next_publish = float("inf")
+        #: The entry watch of each held job, by entry name (to remove it before completing).
+        self._watches: dict[str, Callable[[WatchedEvent], None]] = {}
 
     def start(self) -> None:
         self.runner.start(lambda job, outcome: self.post(Event.DONE, job, outcome))
@@ -121,12 +124,24 @@ class RunnerBridge:
         assert job.claim is not None
         return self.claims.entry_path(job.claim.priority, job.claim.entry)
 
+    def unwatch(self, jobs: list[RunningJob]) -> None:
+        """Remove the entry watches of jobs about to complete (sent, not awaited: the
+        completion multi follows in the same flush), so their own end notifies nobody."""
+        for job in jobs:
+            watch = self._watches.pop(self.key(job), None)
+            if watch is not None:
+                remove_data_watch(self.zk, self._entry(job), watch)
+
+    def forget(self, job: RunningJob) -> None:
+        self._watches.pop(self.key(job), None)
+
     def _watch(self, job: RunningJob) -> Callable[[WatchedEvent], None]:
         key = self.key(job)
 
         def watch(event: WatchedEvent) -> None:
             self.post(Event.ENTRY, key, event.type, job)
 
+        self._watches[key] = watch
         return watch
 
 

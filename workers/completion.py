@@ -60,6 +60,7 @@ class Completer:
         metrics: WorkerMetrics,
         worker_id: str,
         forget: Callable[[RunningJob], None],
+        unwatch: Callable[[list[RunningJob]], None] | None = None,
     ) -> None:
         self.claims = claims
         self.line = line
@@ -67,6 +68,8 @@ class Completer:
         self.metrics = metrics
         self.worker_id = worker_id
         self.forget = forget
+        #: Called with the jobs of a completion just before its multi (drops entry watches).
+        self.unwatch = unwatch
         self.stats = CompletionStats()
         self.queued: deque[tuple[RunningJob, Outcome]] = deque()
 
@@ -133,6 +136,8 @@ class Completer:
     def _complete(self, group: list[tuple[RunningJob, Outcome]], rejoin: bool) -> None:
         finished = time.time()
         records = [(job.claim, self._record(job, outcome, finished)) for job, outcome in group]
+        if self.unwatch is not None:
+            self.unwatch([job for job, _ in group])
         # On connection trouble this raises and the group stays queued: the multi may have
         # committed, and the retry after the reconnect finds out (its creates then fail).
         written = self.claims.complete_many(

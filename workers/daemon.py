@@ -54,7 +54,7 @@ def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
         zk = connect(settings)
         try:
             with mapped_errors(settings.hosts):
-                _serve(zk, opts, runner, admission)
+                _serve(zk, opts, runner, admission, settings)
             return 0
         finally:
             close(zk)
@@ -62,7 +62,13 @@ def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
         runner.close()
 
 
-def _serve(zk: KazooClient, opts: WorkerOptions, runner: Runner, admission: Admission) -> None:
+def _serve(
+    zk: KazooClient,
+    opts: WorkerOptions,
+    runner: Runner,
+    admission: Admission,
+    settings: ConnectionSettings,
+) -> None:
     notifier = Notifier()
     metrics = WorkerMetrics()
     server = metrics.serve(opts.metrics_port, opts.metrics_addr) if opts.metrics_port else None
@@ -88,7 +94,7 @@ def _serve(zk: KazooClient, opts: WorkerOptions, runner: Runner, admission: Admi
             _cache_text(admission),
         )
 
-    janitor = _start_janitor(zk, opts.root, worker.id, opts)
+    janitor = _start_janitor(settings, opts.root, worker.id, opts)
     try:
         worker.run(on_ready=ready)
     finally:
@@ -99,16 +105,18 @@ def _serve(zk: KazooClient, opts: WorkerOptions, runner: Runner, admission: Admi
 
 
 def _start_janitor(
-    zk: KazooClient, root: str, member_id: str, opts: WorkerOptions
+    settings: ConnectionSettings, root: str, member_id: str, opts: WorkerOptions
 ) -> JanitorService | None:
+    """The janitor on a session and thread of its own: it cannot slow this worker's dispatch."""
     if not opts.janitor:
         return None
     return JanitorService(
-        zk,
+        None,
         Layout(root),
         member_id,
         interval=opts.janitor_interval,
         result_ttl=opts.result_ttl,
+        settings=settings,
     ).start()
 
 

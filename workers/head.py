@@ -27,12 +27,14 @@ from zkqueue.line import Line
 from zkqueue.registry import read_records
 from zkqueue.result import Status
 from zkqueue.spec import JobSpec
-from zkqueue.view import CLAIMS, PendingView
+from zkqueue.view import PendingView
 
 log = logging.getLogger("zkq.worker")
 
 #: Entries the head reads in one turn at most: keeps the serial part of dispatch short.
 _SCAN_LIMIT = 64
+#: Candidates read ahead of the refresh beyond the free slots.
+_PREFETCH_EXTRA = 4
 
 
 @dataclass
@@ -55,6 +57,8 @@ class HeadTurn:
     queue: str
     max_attempts: int
     stats: HeadStats = field(default_factory=HeadStats)
+    #: Entries this turn found gone (the view's listing was stale).
+    _gone: int = 0
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
 
@@ -67,32 +71,52 @@ class HeadTurn:
         """Claim up to ``free`` admissible entries not in ``exclude``. Returns each claim with the
         KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
         for us), or None if a race was lost."""
-        cap = self.cap.value
-        if cap is not None:
-            # Only the head claims, so the claims it lists now are every claim there is (fewer
-            # as jobs end). Re-list them (at most cap nodes) rather than trust that the watch
-            # event of the previous head's claims has already arrived.
-            self.view.invalidate(CLAIMS)
-        self.view.refresh()
+        # The first candidates the view already knows are read in the same round trip as the
+        # refresh: in the steady state a turn is that one read and the claim multi. A few more
+        # than the free slots: entries other workers finished since are found gone here.
+        known = islice(self.view.candidates(exclude), min(free + _PREFETCH_EXTRA, _SCAN_LIMIT))
+        reads = self._read(list(known))
+        # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
+        # every claim there is (only the head claims).
+        self.view.refresh(free, frozenset(exclude))
         self._letter_malformed()
+        self._gone = 0
+        cap = self.cap.value
         want = free if cap is None else min(free, cap - len(self.view.claimed))
         self.capped = want < free
         if want <= 0:
             return []
-        picked = self._pick(want, exclude)
+        picked = self._pick(want, exclude, reads)
         if not picked:
+            if self._gone:  # the view was stale (its entries had ended): list again, retry
+                self.view.invalidate()
+                return None
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
         claimed = self.claims.claim(picked, self.line, rejoin=rejoin)
         if claimed is None:
             self.view.invalidate()
             return None
+        if not rejoin:
+            self.view.unwatch()  # out of the line: the next head watches, not us
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again and only the claims watch will say so.
-        self.view.claimed.update(c.entry.name for c in picked)
+        self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
 
-    def _pick(self, want: int, exclude: set[str]) -> list[Candidate]:
+    def _read(self, part: list[tuple[str, EntryName]]) -> dict[tuple[str, EntryName], Any]:
+        """Each entry's data, and whether its id already has a result (a raw producer's
+        duplicate), pipelined: one round trip. The result is read first: a result there
+        before the entry is read is a duplicate's, not that of a completion in between."""
+        reads = {}
+        for p, e in part:
+            result = self.zk.exists_async(self.layout.result(self.queue, e.job_id))
+            reads[(p, e)] = (self.zk.get_async(self.claims.entry_path(p, e)), result)
+        return reads
+
+    def _pick(
+        self, want: int, exclude: set[str], reads: dict[tuple[str, EntryName], Any]
+    ) -> list[Candidate]:
         picked: list[Candidate] = []
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         start = 0
@@ -101,12 +125,17 @@ class HeadTurn:
             chunk = want if start == 0 else max(want, 4)
             part = ordered[start : start + chunk]
             start += chunk
-            calls = [self.zk.get_async(self.claims.entry_path(p, e)) for p, e in part]
-            for (priority, entry), call in zip(part, calls, strict=True):
+            fresh = self._read([c for c in part if c not in reads])
+            calls = [reads.get(c) or fresh[c] for c in part]
+            for (priority, entry), (call, result) in zip(part, calls, strict=True):
                 try:
                     data, stat = call.get()
                 except NoNodeError:
                     self.view.drop(priority, entry)
+                    self._gone += 1
+                    continue
+                if result.get() is not None:
+                    self._duplicate(priority, entry, data, stat)
                     continue
                 extra = sum(c.pages for c in picked)
                 cand = self._judge(priority, entry, data, stat, extra)
@@ -149,6 +178,15 @@ class HeadTurn:
         elif decision.verdict == Verdict.NEVER:
             self._never_here(priority, entry, stat, decision.pages, decision.reason)
         return None
+
+    def _duplicate(self, priority: str, entry: EntryName, data: bytes, stat: Any) -> None:
+        """An entry whose id already has a result is never run again: lettered, no result."""
+        reason = f"duplicate: job id {entry.job_id} already has a result"
+        if self.claims.dead_letter(
+            priority, entry.name, data, stat, reason, entry.job_id, with_result=False
+        ):
+            self.stats.dead_lettered += 1
+        self.view.drop(priority, entry)
 
     def _reject(self, priority: str, entry: EntryName, stat: Any, reason: str) -> None:
         self._end_unclaimed(priority, entry, stat, Status.REJECTED, reason)
@@ -195,7 +233,7 @@ class HeadTurn:
                     data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
                 except NoNodeError:
                     continue
-                reason = f"entry name {name!r} is not <id>-<sequence>"
+                reason = f"entry name {name!r} is not <bucket>/<id>-<sequence>"
                 self._letter(priority, name, data, stat, reason, None)
             names.clear()
 

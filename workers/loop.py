@@ -10,17 +10,14 @@ the loop's thread only; watches, the connection listener and the runner just pos
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue as queue_mod
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError
 from kazoo.protocol.states import KazooState
 
 from workers.admission import Admission
@@ -32,6 +29,8 @@ from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
 from workers.options import WorkerOptions, default_worker_id, slots_for
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
+from workers.stats import WorkerStats
+from zkqueue import protocol
 from zkqueue.claims import Claims
 from zkqueue.connection import TRANSIENT
 from zkqueue.layout import Layout, check_queue
@@ -43,25 +42,6 @@ log = logging.getLogger("zkq.worker")
 
 #: After a drain times out, how long released jobs get to stop before the worker exits anyway.
 _RELEASE_GRACE = 5.0
-
-
-@dataclass
-class WorkerStats:
-    claimed: int = 0
-    completed: int = 0
-    failed: int = 0
-    fenced: int = 0
-    released: int = 0
-    dead_lettered: int = 0
-    rejected: int = 0
-    #: Jobs the runner gave back because its engine failed (out of memory, a dead loop).
-    out_of_memory: int = 0
-    #: Watch notifications this worker's session received (line, view, running entries).
-    watch_events: int = 0
-
-    def __str__(self) -> str:
-        shown = {k: v for k, v in asdict(self).items() if v and k != "watch_events"}
-        return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in shown.items()) or "no jobs"
 
 
 class Worker:
@@ -119,7 +99,13 @@ class Worker:
         )
         self.bridge = RunnerBridge(zk, runner, self.claims, self.held, self._post, self.id)
         self.completer = Completer(
-            self.claims, self.line, self.admission, self.metrics, self.id, self._forget
+            self.claims,
+            self.line,
+            self.admission,
+            self.metrics,
+            self.id,
+            self._forget,
+            self.bridge.unwatch,
         )
         self.liveness = Liveness(
             self.claims,
@@ -168,9 +154,8 @@ class Worker:
             self._shutdown()
 
     def start(self) -> None:
-        for path in self.layout.queue_dirs(self.queue):
-            with contextlib.suppress(NodeExistsError):
-                self.zk.create(path, makepath=True)
+        protocol.ensure(self.zk, self.layout)
+        protocol.ensure_dirs(self.zk, self.layout, self.queue)
         self.zk.add_listener(self._on_state)
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()
@@ -334,6 +319,9 @@ class Worker:
     def _forget(self, job: RunningJob) -> None:
         if job.claim is not None:
             self.held.pop(job.claim.entry.name, None)
+            self.bridge.forget(job)
+            if job.cancel_reason in (None, CancelReason.CANCELLED):  # its entry is gone
+                self.view.drop(job.claim.priority, job.claim.entry)
 
     def _room_after(self) -> bool:
         return self.opts.max_jobs is None or self._stats.claimed < self.opts.max_jobs

@@ -22,13 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError
+from kazoo.exceptions import NoNodeError
 from kazoo.interfaces import IAsyncResult
 
-from zkqueue import defaults
+from zkqueue import counts, defaults, protocol
 from zkqueue.aiojob import AsyncJob
 from zkqueue.client import new_job_id
-from zkqueue.connection import TRANSIENT, ConnectionSettings, close, connect, mapped_errors
+from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
+from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import ZkqConnectionError
 from zkqueue.layout import Layout, check_priority, check_queue
 from zkqueue.limits import QueueSettings, check_counts
@@ -36,8 +37,6 @@ from zkqueue.spec import build_spec
 
 #: Seconds a producer trusts its copy of a queue's settings (as the blocking client does).
 _SETTINGS_CACHE = 5.0
-#: Seconds between checks while waiting for kazoo to reconnect.
-_RECONNECT_POLL = 0.05
 
 __all__ = ["AsyncClient", "AsyncJob"]
 
@@ -104,6 +103,7 @@ class AsyncClient:
         self._bridge: Bridge | None = None
         self._ready: set[str] = set()
         self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
+        self._enqueue = Enqueuer(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -194,24 +194,26 @@ class AsyncClient:
         return AsyncJob(self, job_id, queue, priority, name, detach=detach, owned=True)
 
     async def ensure_queue(self, queue: str) -> None:
-        """Create the queue's directories once per client (idempotent, pipelined)."""
+        """Check the root's protocol version and create the queue's directories, once per
+        client (on a worker thread: the blocking client's code, so both speak one layout)."""
         if queue in self._ready:
             return
-        calls = [self.zk.create_async(p, makepath=True) for p in self.layout.queue_dirs(queue)]
-        for call in calls:
-            with contextlib.suppress(NodeExistsError):
-                await self.wait(call)
+        await asyncio.to_thread(self._ensure_queue, queue)
         self._ready.add(queue)
 
+    def _ensure_queue(self, queue: str) -> None:
+        protocol.ensure(self.zk, self.layout)
+        protocol.ensure_dirs(self.zk, self.layout, queue)
+
     async def waiting(self, queue: str) -> int:
-        """Jobs of a queue not yet started: entries minus claims (pipelined stat reads)."""
+        """Jobs of a queue not yet started: entries minus claims (child counts of the pending
+        buckets and of claims/, never a listing of entries)."""
         with mapped_errors(self.settings.hosts):
-            lay = self.layout
-            calls = [self.zk.exists_async(lay.pending(queue, p)) for p in defaults.PRIORITIES]
-            calls.append(self.zk.exists_async(lay.claims(queue)))
-            stats = [await self.wait(c) for c in calls]
-        counts = [s.numChildren if s is not None else 0 for s in stats]
-        return sum(counts[:-1]) - counts[-1]
+            return await asyncio.to_thread(self._waiting, queue)
+
+    def _waiting(self, queue: str) -> int:
+        depth = counts.depth(self.zk, self.layout, queue)
+        return sum(depth.values()) - counts.children(self.zk, self.layout.claims(queue))
 
     async def check_room(self, queue: str) -> None:
         """Raise QueueFull when the queue holds its maximum of waiting jobs."""
@@ -230,43 +232,17 @@ class AsyncClient:
 
     async def _create_entry(
         self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
-    ) -> str:
-        """Create the entry exactly once: after a ConnectionLoss the create may have happened,
-        so wait for the connection and look for the id before creating again."""
-        prefix = self.layout.entry_prefix(queue, priority, job_id)
-        deadline = time.monotonic() + self.settings.connect_timeout
-        while True:
-            call = self.zk.create_async(prefix, data, ephemeral=ephemeral, sequence=True)
-            try:
-                path: str = await self.wait(call)
-                return path.rsplit("/", 1)[1]
-            except ZkqConnectionError as exc:
-                if ephemeral:  # nobody will wait for it: remove it should it commit later
-                    call.rawlink(_delete_if_created(self.zk))
-                raise ZkqConnectionError(f"{exc} while enqueuing job {job_id}", job_id) from None
-            except (ConnectionLoss, SessionExpiredError):
-                found = await self._find_after_loss(queue, priority, job_id, deadline)
-                if found is not None:
-                    return found
-
-    async def _find_after_loss(
-        self, queue: str, priority: str, job_id: str, deadline: float
     ) -> str | None:
-        while True:
-            while not self.connected:
-                if time.monotonic() > deadline:
-                    raise ZkqConnectionError(
-                        f"lost ZooKeeper at {self.settings.hosts} while enqueuing job {job_id} "
-                        f"(check with: zkq status {job_id})",
-                        job_id,
-                    )
-                await asyncio.sleep(_RECONNECT_POLL)
-            try:
-                pending = self.layout.pending(queue, priority)
-                names = await self.wait(self.zk.get_children_async(pending))
-            except TRANSIENT:
-                continue
-            return next((n for n in names if n.startswith(f"{job_id}-")), None)
+        """Create the entry exactly once, in its priority's tail bucket: the blocking client's
+        enqueuer on a worker thread (after a lost reply it looks the id up before creating
+        again)."""
+        return await asyncio.to_thread(
+            self._enqueue.create, queue, priority, job_id, data, ephemeral
+        )
+
+    def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
+        """The entry name of a job (the enqueuer's lookup after a lost reply; blocking)."""
+        return counts.find(self.zk, self.layout, queue, priority, job_id)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -292,11 +268,3 @@ class AsyncClient:
                 if item is not None and isinstance(record := json.loads(item[0]), dict):
                     records.append(record)
         return records
-
-
-def _delete_if_created(zk: KazooClient) -> Callable[[IAsyncResult], None]:
-    def cleanup(call: IAsyncResult) -> None:
-        if call.successful():
-            zk.delete_async(call.value)
-
-    return cleanup

@@ -25,6 +25,7 @@ from zkqueue.errors import JobTimeout, JobWithdrawn, ZkqConnectionError
 from zkqueue.job import JobPaths
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
+from zkqueue.watches import remove_data_watch
 
 if TYPE_CHECKING:
     from kazoo.client import KazooClient
@@ -82,6 +83,7 @@ class AsyncJob(JobPaths):
         self.detach = detach
         self.owned = owned
         self.record: Result | None = None
+        self._result_size = 0
         self._wake = asyncio.Event()
         self._fired: set[str] = set()
 
@@ -171,9 +173,14 @@ class AsyncJob(JobPaths):
             if isinstance(value, BaseException) and not isinstance(value, NoNodeError):
                 raise value
         entry_alive = self.entry_path is None or not isinstance(done[0], NoNodeError)
-        got = done[2 if self.entry_path is not None else 1]
+        at = 2 if self.entry_path is not None else 1
+        got = done[at]
         if not isinstance(got, BaseException):
-            return Result.from_bytes(got[0]), None
+            if done[at - 1] is not None:  # the watch went onto the existing result: take it back
+                remove_data_watch(zk, self.result_path, watch)
+            self._result_size = len(got[0])
+            what = f"result of job {self.id} ({self.result_path})"
+            return Result.from_bytes(got[0], what), None
         if not entry_alive:
             raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
         if claim is None or isinstance(done[-1], BaseException):
@@ -200,8 +207,9 @@ class AsyncJob(JobPaths):
         self._wake.set()
 
     def _accept(self, record: Result) -> Result:
-        if self.owned and not self.detach:
-            self.client.zk.delete_async(self.result_path)  # read once; nobody else waits for it
+        if self.owned and not self.detach:  # read once; nobody else waits for it
+            client = self.client
+            claims.consume(client.zk, client.layout, self.queue, record, self._result_size)
         self.record = record
         return record
 

@@ -1,17 +1,20 @@
 """The claim/complete protocol: every state change of a job is one ZooKeeper multi.
 
-- claim:    create claims/<entry> (ephemeral) + set_data(entry, same bytes, version=read version)
+- enqueue:  check(pending/<priority>, version read) + create <bucket>/<id>- (sequential): a
+            producer whose tail bucket is stale fails and reads it again.
+- open:     check(pending/<priority>) + create the next bucket + set the priority's tail to it.
+- claim:    create claims/<id> (ephemeral) + set_data(entry, same bytes, version=read version)
             [+ leave the line, + rejoin it at the back]. The entry's new version is the fencing
-            token and the attempt count.
-- complete: check(entry, token) + create results/<id> + delete(entry) + delete(claims/<entry>)
-            [+ rejoin the line]. A stale worker's multi fails as a whole.
-- release:  check(entry, token) + delete(claims/<entry>): the job is pending again.
-- dead:     create dead/<entry> + create results/<id> + delete(entry, version).
+            token and the attempt count; one claim per id, so an id never runs twice at once.
+- complete: check(entry, token) + create results/<hh>/<id> + create its expiry index node +
+            delete(entry) + delete(claims/<id>) [+ rejoin the line]. A stale worker's multi
+            fails as a whole.
+- release:  check(entry, token) + delete(claims/<id>): the job is pending again.
+- dead:     create dead/<letter> [+ result + index] + delete(entry, version).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -22,8 +25,10 @@ from kazoo.protocol.states import ZnodeStat
 
 from zkqueue import defaults
 from zkqueue import result as results
-from zkqueue.layout import EntryName, Layout, child
+from zkqueue.claimnodes import ClaimNodes
+from zkqueue.layout import EntryName, Layout, entry_job_id
 from zkqueue.line import Line
+from zkqueue.nodes import Ticks, descendants
 from zkqueue.records import Candidate, Claim, ClaimBody, DeadLetter
 from zkqueue.result import Result
 
@@ -32,7 +37,7 @@ log = logging.getLogger("zkq.claims")
 _MAX_DESCENDANTS = 256
 
 
-class Claims:
+class Claims(ClaimNodes):
     """Runs the protocol's transactions for one worker on one queue."""
 
     def __init__(
@@ -49,6 +54,7 @@ class Claims:
         self.worker_id = worker_id
         #: Seconds a claim stays valid without a renewal (written into the claim for the janitor).
         self.lease = lease
+        self.ticks = Ticks()
 
     def entry_path(self, priority: str, entry: EntryName) -> str:
         return self.layout.entry(self.queue, priority, entry.name)
@@ -61,10 +67,11 @@ class Claims:
         bodies = []
         for c in picked:
             token = c.stat.version + 1
-            body = ClaimBody(self.worker_id, token, now, self.lease)
+            body = ClaimBody(self.worker_id, token, now, self.lease, f"{c.priority}/{c.entry.name}")
             bodies.append(body)
-            claim_path = self.layout.claim(self.queue, c.entry.name)
-            txn.create(claim_path, body.to_bytes(), ephemeral=True)
+            txn.create(
+                self.layout.claim(self.queue, c.entry.job_id), body.to_bytes(), ephemeral=True
+            )
             txn.set_data(self.entry_path(c.priority, c.entry), c.data, version=c.stat.version)
         left = line.joined
         line.add_leave(txn)
@@ -100,7 +107,11 @@ class Claims:
         tried alone: only the fenced one fails. Returns whether each was completed."""
         txn = self.zk.transaction()
         for claim, record in done:
-            self._add_complete(txn, claim, record.to_bytes_or_failure())
+            entry = self.entry_path(claim.priority, claim.entry)
+            txn.check(entry, claim.token)
+            self._add_result(txn, record)
+            txn.delete(entry, claim.token)
+            txn.delete(self.layout.claim(self.queue, claim.id))
         if line is not None:
             line.add_join(txn)
         outcome = txn.commit()
@@ -108,71 +119,25 @@ class Claims:
             if line is not None:
                 line.committed(False, outcome[-1])
             return [True] * len(done)
+        self.ticks.forget()
         if len(done) == 1:
-            claim = done[0][0]
-            log.warning(
-                "job %s: result not written, fenced out (%s)", claim.id, _first_error(outcome)
-            )
+            log.warning("job %s: result not written (%s)", done[0][0].id, _first_error(outcome))
             return [False]
         return [self.complete(claim, record, None) for claim, record in done]
 
-    def _add_complete(self, txn: TransactionRequest, claim: Claim, data: bytes) -> None:
-        entry = self.entry_path(claim.priority, claim.entry)
-        txn.check(entry, claim.token)
-        txn.create(self.layout.result(self.queue, claim.id), data)
-        txn.delete(entry, claim.token)
-        txn.delete(self.layout.claim(self.queue, claim.entry.name))
-
-    def renew(self, claims: list[Claim]) -> list[Claim]:
-        """Renew the leases (a write bumps the claim's server-side mtime, which the janitor
-        reads). Returns the claims that are gone: reclaimed, or lost with the session."""
-        calls = [
-            (c, self.zk.set_async(self.layout.claim(self.queue, c.entry.name), c.body.to_bytes()))
-            for c in claims
-        ]
-        lost = []
-        for claim, call in calls:
-            try:
-                call.get()
-            except NoNodeError:
-                lost.append(claim)
-        return lost
-
-    def set_partial(self, claim: Claim, text: str) -> None:
-        """Put a streaming job's output so far into its claim's data (written by the next
-        renew(), so every write also renews the lease)."""
-        claim.body.partial = text
-
-    def sweep(self, line: Line, held: set[str]) -> list[str]:
-        """Delete this session's claims on entries not in ``held`` and its places in the line
-        other than ``line.node``: a claim or join that committed while its reply was lost with
-        the connection. Left alone, a place nobody holds heads the line and stalls the queue,
-        and a claim nobody runs holds its job until the lease runs out. Returns what went."""
-        claims = self.layout.claims(self.queue)
-        stray = [child(claims, n) for n in own_untracked(self.zk, claims, held)]
-        places = own_untracked(self.zk, line.directory, {line.node} if line.node else set())
-        stray += [child(line.directory, n) for n in places]
-        for path in stray:
-            with contextlib.suppress(NoNodeError):
-                self.zk.delete(path)
-        return stray
+    def _add_result(self, txn: TransactionRequest, record: Result) -> None:
+        """Create the result and its node in the expiry index (whose tick bucket exists)."""
+        if record.finished_at is None:
+            record.finished_at = time.time()
+        self.ticks.ensure(self.zk, self.layout, self.queue, record.finished_at)
+        add_result(txn, self.layout, self.queue, record)
 
     def release(self, claim: Claim) -> bool:
         """Give the job back (drain, out of memory): it is pending again for any worker."""
         txn = self.zk.transaction()
         txn.check(self.entry_path(claim.priority, claim.entry), claim.token)
-        txn.delete(self.layout.claim(self.queue, claim.entry.name))
+        txn.delete(self.layout.claim(self.queue, claim.id))
         return not transaction_failed(txn.commit())
-
-    def drop(self, claim: Claim) -> None:
-        """Remove our claim on an entry that is gone (cancelled or withdrawn), if still ours."""
-        path = self.layout.claim(self.queue, claim.entry.name)
-        try:
-            stat = self.zk.exists(path)
-            if stat is not None and stat.ephemeralOwner == self.zk.client_id[0]:
-                self.zk.delete(path, version=stat.version)
-        except NoNodeError:
-            pass
 
     def dead_letter(
         self,
@@ -182,42 +147,31 @@ class Claims:
         stat: ZnodeStat | None,
         reason: str,
         job_id: str | None,
+        *,
+        with_result: bool = True,
     ) -> bool:
-        """Move an entry to dead/ with the reason; record a ``dead`` result when it has an id."""
+        """Move an entry to dead/ with the reason; record a ``dead`` result when it has an id
+        (and ``with_result``: a duplicate of a finished id is lettered alone)."""
         now = time.time()
-        letter = DeadLetter.of_entry(
-            data,
-            queue=self.queue,
-            priority=priority,
-            entry=name,
-            reason=reason,
-            id=job_id,
-            worker=self.worker_id,
-            dead_at=now,
-        )
+        fields = dict(queue=self.queue, priority=priority, entry=name, reason=reason, id=job_id)
+        letter = DeadLetter.of_entry(data, **fields, worker=self.worker_id, dead_at=now)
         record = None
-        if job_id is not None:
-            record = Result(
-                id=job_id,
-                queue=self.queue,
-                priority=priority,
-                status=results.DEAD,
-                error=reason,
-                worker=self.worker_id,
-                attempts=stat.version if stat else 0,
-                submitted_at=stat.ctime / 1000 if stat else None,
-                finished_at=now,
-            )
+        if job_id is not None and with_result:
+            record = self._ended(job_id, priority, results.DEAD, reason, stat, now)
+            self.ticks.ensure(self.zk, self.layout, self.queue, now)
         path = self.layout.entry(self.queue, priority, name)
         # Nodes another client hung under the entry would make its delete fail (NotEmpty) on
         # every try, leaving the entry pending forever: they go in the same multi.
-        below = self._descendants(path) if stat is None or stat.numChildren else []
+        below = descendants(self.zk, path, _MAX_DESCENDANTS) if not stat or stat.numChildren else []
         # A hand-made entry may reuse an id that already has a result: then letter it alone.
-        for with_result in (True, False) if record else (False,):
+        for add in (True, False) if record else (False,):
             txn = self.zk.transaction()
-            txn.create(self.layout.dead_node(self.queue, name), letter.to_bytes())
-            if with_result and record is not None:
-                txn.create(self.layout.result(self.queue, record.id), record.to_bytes())
+            txn.create(
+                self.layout.dead_node(self.queue, Layout.dead_name(priority, name)),
+                letter.to_bytes(),
+            )
+            if add and record is not None:
+                add_result(txn, self.layout, self.queue, record)
             for node in below:
                 txn.delete(node)
             txn.delete(path, stat.version if stat is not None else -1)
@@ -228,19 +182,20 @@ class Claims:
         log.warning("dead-lettering %s failed: %s", name, _first_error(outcome))
         return False
 
-    def _descendants(self, path: str, limit: int = _MAX_DESCENDANTS) -> list[str]:
-        """Every node below ``path``, deepest first (at most ``limit``): delete order."""
-        found: list[str] = []
-        stack = [path]
-        while stack and len(found) < limit:
-            parent = stack.pop()
-            try:
-                kids = [child(parent, k) for k in self.zk.get_children(parent)]
-            except NoNodeError:
-                continue
-            found.extend(kids)
-            stack.extend(kids)
-        return sorted(found[:limit], key=lambda p: p.count("/"), reverse=True)
+    def _ended(
+        self, job_id: str, priority: str, status: str, error: str, stat: Any, now: float
+    ) -> Result:
+        return Result(
+            id=job_id,
+            queue=self.queue,
+            priority=priority,
+            status=status,
+            error=error,
+            worker=self.worker_id,
+            attempts=stat.version if stat else 0,
+            submitted_at=stat.ctime / 1000 if stat else None,
+            finished_at=now,
+        )
 
     def end_unclaimed(
         self,
@@ -254,19 +209,12 @@ class Claims:
         finished_at: float | None = None,
     ) -> bool:
         """End an unclaimed entry with a result (expired, rejected), fenced by its version."""
-        record = Result(
-            id=entry.job_id,
-            queue=self.queue,
-            priority=priority,
-            status=status,
-            error=error,
-            worker=self.worker_id,
-            attempts=version,
-            submitted_at=submitted_at,
-            finished_at=time.time() if finished_at is None else finished_at,
-        )
+        record = self._ended(entry.job_id, priority, status, error, None, time.time())
+        record.attempts, record.submitted_at = version, submitted_at
+        if finished_at is not None:
+            record.finished_at = finished_at
         txn = self.zk.transaction()
-        txn.create(self.layout.result(self.queue, entry.job_id), record.to_bytes())
+        self._add_result(txn, record)
         txn.delete(self.entry_path(priority, entry), version)
         return not transaction_failed(txn.commit())
 
@@ -274,13 +222,38 @@ class Claims:
 # -- transitions made by clients other than the claiming worker ------------------------------
 
 
-def enqueue_async(zk: KazooClient, entries: list[tuple[str, bytes]], ephemeral: bool) -> Any:
-    """Create several entries (sequential-create prefix, spec bytes) in one multi, without
-    waiting: the returned async result gives one created path, or an exception, per entry."""
+def add_result(txn: TransactionRequest, layout: Layout, queue: str, record: Result) -> bytes:
+    """Create ``record``'s result node and its expiry index node (the tick bucket must exist)."""
+    data = record.to_bytes_or_failure()
+    assert record.finished_at is not None
+    txn.create(layout.result(queue, record.id), data)
+    txn.create(layout.expiry_entry(queue, record.finished_at, record.id, len(data)))
+    return data
+
+
+def enqueue_async(
+    zk: KazooClient, checks: list[tuple[str, int]], entries: list[tuple[str, bytes]], eph: bool
+) -> Any:
+    """Create several entries (sequential-create prefix in a tail bucket, spec bytes) in one
+    multi, fenced by the versions of the priority nodes naming those tails, without waiting:
+    the async result gives one outcome per check, then one created path per entry."""
     txn = zk.transaction()
+    for path, version in checks:
+        txn.check(path, version)
     for prefix, data in entries:
-        txn.create(prefix, data, ephemeral=ephemeral, sequence=True)
+        txn.create(prefix, data, ephemeral=eph, sequence=True)
     return txn.commit_async()
+
+
+def open_bucket(
+    zk: KazooClient, layout: Layout, queue: str, priority: str, tail: int, version: int
+) -> bool:
+    """Open the bucket after ``tail`` and make it the tail; False if someone else moved it."""
+    txn = zk.transaction()
+    txn.check(layout.pending(queue, priority), version)
+    txn.create(layout.bucket(queue, priority, tail + 1))
+    txn.set_data(layout.pending(queue, priority), str(tail + 1).encode(), version=version)
+    return not transaction_failed(txn.commit())
 
 
 def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str) -> bool:
@@ -308,10 +281,9 @@ def cancel_async(
 ) -> Any:
     """The cancel multi for an entry read with ``stat`` (and its claim, ``running``, when it
     runs: the result names the worker and when it started), without waiting for its answer."""
-    job_id = EntryName.parse(name).job_id
     now = time.time()
     record = Result(
-        id=job_id,
+        id=entry_job_id(name) or name,
         queue=queue,
         priority=priority,
         status=results.CANCELLED,
@@ -322,8 +294,9 @@ def cancel_async(
         submitted_at=stat.ctime / 1000,
         finished_at=now,
     )
+    Ticks().ensure(zk, layout, queue, now)
     txn = zk.transaction()
-    txn.create(layout.result(queue, job_id), record.to_bytes())
+    add_result(txn, layout, queue, record)
     txn.delete(layout.entry(queue, priority, name))  # whatever claims happened since the read
     return txn.commit_async()
 
@@ -334,14 +307,24 @@ def _where(running: ClaimBody | None, now: float) -> str:
     return f"while running on {running.worker} (started {now - running.claimed_at:.1f}s before)"
 
 
-def reclaim(
-    zk: KazooClient, layout: Layout, queue: str, priority: str, name: str, token: int, version: int
-) -> bool:
+def consume(zk: KazooClient, layout: Layout, queue: str, record: Result, size: int) -> None:
+    """Remove a result its caller has read, with its expiry index node (asynchronously: nobody
+    waits; a failure leaves both to the janitor's retention)."""
+    if record.finished_at is None:
+        zk.delete_async(layout.result(queue, record.id))
+        return
+    txn = zk.transaction()
+    txn.delete(layout.result(queue, record.id))
+    txn.delete(layout.expiry_entry(queue, record.finished_at, record.id, size))
+    txn.commit_async()
+
+
+def reclaim(zk: KazooClient, entry: str, claim: str, token: int, version: int) -> bool:
     """Take back a claim whose lease lapsed (the janitor): delete it if the entry still carries
     its token and the claim was not renewed since it was read. The job is pending again."""
     txn = zk.transaction()
-    txn.check(layout.entry(queue, priority, name), token)
-    txn.delete(layout.claim(queue, name), version)
+    txn.check(entry, token)
+    txn.delete(claim, version)
     return not transaction_failed(txn.commit())
 
 
@@ -354,30 +337,41 @@ def requeue(
     letter: str,
     spec: bytes,
 ) -> str | None:
-    """Enqueue a dead-lettered job again under the same id (detached, attempts from 0), and
-    remove its letter and its ``dead`` result in the same multi. Returns the new entry name,
-    None if the letter changed meanwhile."""
+    """Enqueue a dead-lettered job again under the same id (detached, attempts from 0) in the
+    tail bucket, and remove its letter and its ``dead`` result in the same multi. Returns the
+    new entry name, None if the letter or the tail changed meanwhile."""
+    from zkqueue.nodes import read_tail
+
+    tail, version = read_tail(zk, layout, queue, priority)
     txn = zk.transaction()
-    txn.create(layout.entry_prefix(queue, priority, job_id), spec, sequence=True)
+    txn.check(layout.pending(queue, priority), version)
+    txn.create(layout.entry_prefix(queue, priority, job_id, tail), spec, sequence=True)
     txn.delete(layout.dead_node(queue, letter))
     if zk.exists(layout.result(queue, job_id)) is not None:
         txn.delete(layout.result(queue, job_id))
     outcome = txn.commit()
     if transaction_failed(outcome):
         return None
-    return str(outcome[0]).rsplit("/", 1)[1]
+    return str(outcome[1]).split("/")[-2] + "/" + str(outcome[1]).rsplit("/", 1)[1]
 
 
-def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]:
-    """Names of the ephemeral nodes in ``directory`` owned by this session but not in
-    ``known``: what a create or multi left behind when its reply was lost."""
-    try:
-        names = zk.get_children(directory)
-    except NoNodeError:
-        return []
-    session = zk.client_id[0]
-    calls = [(n, zk.exists_async(child(directory, n))) for n in names if n not in known]
-    return [n for n, call in calls if (s := call.get()) is not None and s.ephemeralOwner == session]
+def move(
+    zk: KazooClient,
+    old: str,
+    new: str,
+    data: bytes,
+    *,
+    sequence: bool = False,
+    index: str | None = None,
+) -> str | None:
+    """Move a node (``zkq migrate``): create it anew [+ an index node], delete the old one."""
+    txn = zk.transaction()
+    txn.create(new, data, sequence=sequence)
+    if index is not None:
+        txn.create(index)
+    txn.delete(old)
+    outcome = txn.commit()
+    return None if transaction_failed(outcome) else str(outcome[0])
 
 
 def transaction_failed(outcome: list[Any]) -> bool:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import builtins
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NoNodeError
 
-from zkqueue import defaults
+from zkqueue import counts, defaults, listing, protocol
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
-from zkqueue.deadletters import dead_result, list_dead, requeue
+from zkqueue.deadletters import dead_result, list_dead, purge, requeue
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
-from zkqueue.job import PENDING, RUNNING, Job
-from zkqueue.layout import EntryName, Layout, check_job_id, check_priority, check_queue
+from zkqueue.job import Job
+from zkqueue.layout import Layout, check_job_id, check_priority, check_queue
 from zkqueue.limits import Limits, QueueSettings
 from zkqueue.queues import delete_queue, queue_stats, queue_table
 from zkqueue.records import ClaimBody
@@ -62,6 +62,7 @@ class Client:
         self._zk = zk
         self._owns_zk = zk is None
         self._ready: set[str] = set()
+        self._protocol_checked = False
         self._limits: Limits | None = None
         self._enqueue = Enqueuer(self)
 
@@ -100,13 +101,19 @@ class Client:
         with mapped_errors(self.settings.hosts):
             yield
 
+    def check_protocol(self) -> None:
+        """Refuse a root written by another layout version (once per client)."""
+        if not self._protocol_checked:
+            protocol.ensure(self.zk, self.layout)
+            self._protocol_checked = True
+
     def ensure_queue(self, queue: str) -> None:
-        """Create the queue's directories once per client (idempotent)."""
+        """Create the queue's directories once per client (idempotent; one read when the
+        queue is complete: its last directory exists)."""
         if queue in self._ready:
             return
-        for path in self.layout.queue_dirs(queue):
-            with suppress(NodeExistsError):
-                self.zk.create(path, makepath=True)
+        self.check_protocol()
+        protocol.ensure_dirs(self.zk, self.layout, queue)
         self._ready.add(queue)
 
     # -- producing ---------------------------------------------------------------------------
@@ -118,19 +125,30 @@ class Client:
         queue: str = defaults.QUEUE,
         max_new_tokens: int | None = None,
         detach: bool = False,
+        keep_result: bool = False,
         **params: Any,
     ) -> Job:
         """Enqueue one job. An attached request (detach=False) is withdrawn if this client
-        goes away."""
+        goes away, and its result is removed once read (unless ``keep_result``). A ``job_id=``
+        that is already pending, running or finished in the queue is not enqueued again: the
+        existing job is returned, with ``existing`` set."""
+        job_id: str | None = params.pop("job_id", None)
         check_priority(priority)
         check_queue(queue)
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
-        job_id = new_job_id()
         with self.mapped():
             self.ensure_queue(queue)
+            if job_id is not None:
+                found = self._find_job(queue, check_job_id(job_id))
+                if found is not None:
+                    found.existing = True
+                    return found
+            job_id = job_id or new_job_id()
             self.limits.check_room(queue)
             name = self._enqueue.create(queue, priority, job_id, data, ephemeral=not detach)
-        return Job(self, job_id, queue, priority, name, detach=detach, owned=True)
+        job = Job(self, job_id, queue, priority, name, detach=detach, owned=True)
+        job.keep_result = keep_result
+        return job
 
     def submit_many(
         self,
@@ -180,13 +198,25 @@ class Client:
     # -- reading -----------------------------------------------------------------------------
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
-        """The entry name of a job in one priority, by scanning its children (O(depth))."""
-        prefix = f"{job_id}-"
+        """The entry name (``<bucket>/<id>-<seq>``) of a job in one priority: a running job's
+        from its claim, else by listing the priority's buckets newest first."""
+        running = self._claimed_entry(queue, job_id)
+        if running is not None:
+            prio, _, name = running.partition("/")
+            if prio == priority:
+                return name
+        return counts.find(self.zk, self.layout, queue, priority, job_id)
+
+    def _claimed_entry(self, queue: str, job_id: str) -> str | None:
+        """``<priority>/<bucket>/<id>-<seq>`` of a running job, from its claim."""
         try:
-            children = self.zk.get_children(self.layout.pending(queue, priority))
+            data, _ = self.zk.get(self.layout.claim(queue, job_id))
         except NoNodeError:
             return None
-        return next((c for c in children if c.startswith(prefix)), None)
+        try:
+            return ClaimBody.from_bytes(data, f"claim {queue}/{job_id}").entry
+        except CorruptRecord:
+            return None
 
     def job(self, job_id: str, queue: str | None = None) -> Job:
         """Find a job by id in one queue, or in every queue when ``queue`` is None."""
@@ -202,10 +232,23 @@ class Client:
         raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
 
     def _find_job(self, queue: str, job_id: str) -> Job | None:
+        """A job by id: its result, its claim (running), or its entry (by listing buckets).
+        The result is read again last: a job that ended while we looked has one by then."""
+        self.check_protocol()
+        found = self._finished(queue, job_id)
+        if found is not None:
+            return found
+        running = self._claimed_entry(queue, job_id)
+        if running is not None:
+            priority, _, entry = running.partition("/")
+            return Job(self, job_id, queue, priority, entry)
         for priority in defaults.PRIORITIES:
-            name = self.find_entry(queue, priority, job_id)
+            name = counts.find(self.zk, self.layout, queue, priority, job_id)
             if name is not None:
                 return Job(self, job_id, queue, priority, name)
+        return self._finished(queue, job_id)
+
+    def _finished(self, queue: str, job_id: str) -> Job | None:
         try:
             data, _ = self.zk.get(self.layout.result(queue, job_id))
         except NoNodeError:
@@ -229,71 +272,24 @@ class Client:
                 return None
         return ClaimBody.from_bytes(data, f"claim {queue}/{entry}")
 
-    def _ordered_entries(self, queue: str) -> list[tuple[str, EntryName]]:
-        """Every parseable entry of a queue in dispatch order, as (priority, name)."""
-        calls = [
-            (p, self.zk.get_children_async(self.layout.pending(queue, p)))
-            for p in defaults.PRIORITIES
-        ]
-        out: list[tuple[str, EntryName]] = []
-        for priority, call in calls:
-            try:
-                names = call.get()
-            except NoNodeError:
-                continue
-            parsed = [_parse_or_none(n) for n in names]
-            out.extend((priority, e) for e in sorted((e for e in parsed if e), key=_order))
-        return out
-
-    def _claimed(self, queue: str) -> set[str]:
-        try:
-            return set(self.zk.get_children(self.layout.claims(queue)))
-        except NoNodeError:
-            return set()
-
     def position(self, queue: str, entry: str) -> int | None:
-        """1-based place among the queue's unclaimed entries in dispatch order."""
+        """About the 1-based place among the queue's unclaimed entries (1 = next)."""
         with self.mapped():
-            claimed = self._claimed(queue)
-            waiting = [e.name for _, e in self._ordered_entries(queue) if e.name not in claimed]
-        return waiting.index(entry) + 1 if entry in waiting else None
+            return listing.position(self.zk, self.layout, queue, entry)
 
     def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
-        """Pending and running jobs of a queue in dispatch order."""
+        """Pending and running jobs of a queue in dispatch order, at most ``limit`` (None: all),
+        listing one bucket (~1,000 entries) at a time."""
         check_queue(queue)
         with self.mapped():
-            claimed = self._claimed(queue)
-            entries = self._ordered_entries(queue)[:limit]
-            stats = [self.zk.exists_async(self.layout.entry(queue, p, e.name)) for p, e in entries]
-            claims = {
-                e.name: self.zk.get_async(self.layout.claim(queue, e.name))
-                for _, e in entries
-                if e.name in claimed
-            }
-            rows, position = [], 0
-            for (priority, entry), stat_call in zip(entries, stats, strict=True):
-                stat = stat_call.get()
-                if stat is None:
-                    continue  # finished while we listed
-                row = {
-                    "id": entry.job_id,
-                    "queue": queue,
-                    "priority": priority,
-                    "attempts": stat.version,
-                    "submitted_at": stat.ctime / 1000,
-                }
-                if entry.name in claims:
-                    row.update(state=RUNNING, worker=_claim_worker(claims[entry.name]))
-                else:
-                    position += 1
-                    row.update(state=PENDING, position=position)
-                rows.append(row)
-            return rows
+            self.check_protocol()
+            return listing.list_jobs(self.zk, self.layout, queue, limit)
 
     def stats(self) -> dict[str, Any]:
         """Depth per queue and priority (running jobs included), running jobs, waiting slots,
         results and dead letters, and live workers; each number is one stat read."""
         with self.mapped():
+            self.check_protocol()
             queues = {q: queue_stats(self.zk, self.layout, q) for q in self.queue_names()}
             workers = self.zk.exists(self.layout.workers())
             return {"queues": queues, "workers": workers.numChildren if workers else 0}
@@ -330,6 +326,12 @@ class Client:
                 self.zk, self.layout, [check_queue(queue)] if queue else self.queue_names()
             )
 
+    def purge_dead(self, queue: str | None = None, older_than: float | None = None) -> int:
+        """Delete dead letters of one queue or of all (those older than ``older_than`` s)."""
+        with self.mapped():
+            queues = [check_queue(queue)] if queue else self.queue_names()
+            return sum(purge(self.zk, self.layout, q, older_than=older_than) for q in queues)
+
     def requeue(self, job_id: str | None = None, queue: str | None = None) -> builtins.list[Job]:
         """Enqueue dead-lettered jobs again (one by id, or all of them when ``job_id`` is None).
         Letters without a valid spec stay where they are (an error when asked for by id)."""
@@ -360,25 +362,3 @@ class Client:
             queues = record.get("queues") or [record.get("queue")]
             served.update(q for q in queues if isinstance(q, str))
         return served
-
-
-def _order(entry: EntryName) -> int:
-    return entry.order
-
-
-def _parse_or_none(name: str) -> EntryName | None:
-    try:
-        return EntryName.parse(name)
-    except InvalidJob:
-        return None
-
-
-def _claim_worker(call: Any) -> str | None:
-    try:
-        data, _ = call.get()
-    except NoNodeError:
-        return None
-    try:
-        return ClaimBody.from_bytes(data).worker
-    except CorruptRecord:
-        return "?"  # the listing shows the job as running; `zkq status` names the bad node

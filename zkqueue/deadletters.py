@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -16,6 +17,8 @@ from zkqueue.result import Result, Status
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.dead")
+#: Letters read or deleted per pipelined page.
+_PAGE = 256
 
 
 def list_dead(zk: KazooClient, layout: Layout, queues: list[str]) -> list[dict[str, Any]]:
@@ -75,3 +78,45 @@ def requeue(zk: KazooClient, layout: Layout, letter: dict[str, Any]) -> str:
         raise JobNotFound(f"dead letter {letter['name']} changed while requeueing it; try again")
     log.info("requeued %s as %s/%s", job_id, priority, name)
     return name
+
+
+def purge(
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    *,
+    older_than: float | None = None,
+    limit: int | None = None,
+    now: float | None = None,
+) -> int:
+    """Delete a queue's dead letters, oldest first: those created more than ``older_than``
+    seconds before ``now`` (all when None), at most ``limit``. Returns how many went."""
+    try:
+        names = zk.get_children(layout.dead(queue))
+    except NoNodeError:
+        return 0
+    stats = []
+    for start in range(0, len(names), _PAGE):
+        calls = [
+            (n, zk.exists_async(layout.dead_node(queue, n))) for n in names[start : start + _PAGE]
+        ]
+        stats += [(s.ctime, n) for n, c in calls if (s := c.get()) is not None]
+    stats.sort()
+    if older_than is not None:
+        cutoff = ((now if now is not None else time.time()) - older_than) * 1000
+        stats = [(c, n) for c, n in stats if c < cutoff]
+    doomed = [n for _, n in stats[:limit]]
+    removed = 0
+    for start in range(0, len(doomed), _PAGE):
+        deletes = [
+            zk.delete_async(layout.dead_node(queue, n)) for n in doomed[start : start + _PAGE]
+        ]
+        for call in deletes:
+            try:
+                call.get()
+                removed += 1
+            except NoNodeError:
+                continue
+    if removed:
+        log.info("purged %d dead letter(s) of queue %s", removed, queue)
+    return removed

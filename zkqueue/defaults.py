@@ -39,6 +39,19 @@ LEASE = 60.0
 #: Seconds between janitor passes, and how long finished results are kept.
 JANITOR_INTERVAL = 5.0
 RESULT_TTL = 24 * 3600.0
+#: Seconds of finishing times one bucket of the results' expiry index covers.
+EXPIRY_TICK = 10.0
+#: Stored results per queue at most (count and bytes of records): beyond either, the janitor
+#: expires the oldest first. 100,000 results of ~2 KiB hold ~0.5 GiB of ZooKeeper heap.
+MAX_RESULTS = 100_000
+MAX_RESULT_STORE_BYTES = 256 * 1024 * 1024
+#: Dead letters per queue at most; the janitor removes the oldest beyond it.
+MAX_DEAD = 10_000
+#: Nodes one janitor pass deletes at most per queue, and deletes it has in flight at once.
+JANITOR_PAGE = 2000
+JANITOR_IN_FLIGHT = 64
+#: Entries one pending bucket holds (producers open the next one past it).
+PENDING_BUCKET = 1000
 
 #: Seconds between writes of a streaming job's partial output (at most a few a second).
 STREAM_INTERVAL = 0.25

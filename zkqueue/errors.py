@@ -16,6 +16,7 @@ class ExitCode:
     CONFIG = 7
     DENIED = 8
     CORRUPT = 9
+    WITHDRAWN = 10
     INTERNAL = 70
     INTERRUPTED = 130
 
@@ -107,6 +108,13 @@ class Interrupted(ZkqError):
 
 
 class JobWithdrawn(ZkqError):
-    """The job's entry is gone and no result was recorded (an attached request withdrawn)."""
+    """The job's entry is gone and no result was recorded: an attached request withdrawn (its
+    caller gave up, or the caller's session expired). Nothing ran to completion: resubmitting is
+    safe."""
 
-    exit_code = ExitCode.JOB_FAILED
+    exit_code = ExitCode.WITHDRAWN
+
+
+class ProtocolMismatch(ConfigurationError):
+    """The root was written by another version of the znode layout (``zkq migrate`` moves a
+    version 1 root to version 2)."""

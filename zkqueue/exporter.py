@@ -1,19 +1,18 @@
 """Cluster-wide metrics read from ZooKeeper on each scrape: ``zkq metrics --port PORT``.
 
-Workers export what they did (zkqueue/metrics.py); what the queue looks like as a whole (depth,
-waiting, the oldest waiting job, dead letters, workers per queue) is read here, on demand, by a
-custom Collector, so one exporter per cluster answers it and nothing is cached between scrapes.
+Workers export what they did (zkqueue/metrics.py); the queue as a whole (depth, waiting, the
+oldest waiting job, dead letters, workers per queue) is read here on demand by a custom Collector,
+so one exporter per cluster answers it and nothing is cached between scrapes.
 
-Each scrape reads, pipelined and under one deadline: the queue names; per queue the children of
-``pending/*`` and ``claims`` and the stats of ``line``, ``dead`` and ``results``; the stats of the
-first few unclaimed entries per priority (for their ctime); and the worker records. It writes
-nothing, so the exporter may run with read-only credentials. A scrape never raises: when ZooKeeper
-is unreachable or too slow, it counts an error (``zkq_exporter_scrape_errors_total``), sets
-``zkq_exporter_zookeeper_up`` to 0 and returns what it could read.
+Each scrape reads, pipelined under one deadline, only stats and short listings (bucket names, each
+priority's first bucket, ``claims``, the worker records): nothing it lists grows with the depth or
+the results stored. It writes nothing (read-only credentials do). A scrape never raises: when
+ZooKeeper is unreachable or too slow it counts an error (``zkq_exporter_scrape_errors_total``),
+sets ``zkq_exporter_zookeeper_up`` to 0 and returns what it could read.
 
 Ages (``zkq_queue_oldest_pending_seconds``) compare an entry's ``ctime`` (ZooKeeper's clock) with
-the exporter host's clock: reading ZooKeeper's clock would need a write. With NTP the skew is
-milliseconds; a negative age (a host clock behind ZooKeeper's) is reported as 0.
+the exporter host's clock (reading ZooKeeper's clock would need a write); with NTP the skew is
+milliseconds, and a negative age is reported as 0.
 """
 
 from __future__ import annotations
@@ -35,10 +34,10 @@ from kazoo.interfaces import IAsyncResult
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from zkqueue import defaults
+from zkqueue import counts, defaults
 from zkqueue.client import Client
 from zkqueue.errors import ZkqError
-from zkqueue.layout import EntryName
+from zkqueue.layout import RESULT_BUCKETS, EntryName, bucket_name
 from zkqueue.limits import QueueSettings
 
 log = logging.getLogger("zkq.exporter")
@@ -143,7 +142,7 @@ def read_cluster(client: Client, timeout: float = READ_TIMEOUT) -> ClusterState:
     lists = {}
     for queue, calls in started.items():
         try:
-            lists[queue] = _finish_queue(queue, calls, deadline)
+            lists[queue] = _finish_queue(client, queue, calls, deadline)
         except READ_ERRORS as exc:
             state.errors.append(f"queue {queue}: {exc!r}")
     probes = {q: _start_oldest(client, q, probe) for q, (_, probe) in lists.items()}
@@ -159,26 +158,33 @@ def read_cluster(client: Client, timeout: float = READ_TIMEOUT) -> ClusterState:
 
 def _start_queue(client: Client, queue: str) -> dict[str, IAsyncResult]:
     zk, layout = client.zk, client.layout
-    calls = {p: zk.get_children_async(layout.pending(queue, p)) for p in defaults.PRIORITIES}
-    calls["claims"] = zk.get_children_async(layout.claims(queue))
-    calls["line"] = zk.exists_async(layout.line(queue))
-    calls["dead"] = zk.exists_async(layout.dead(queue))
-    calls["results"] = zk.exists_async(layout.results(queue))
+    calls = {"claims": zk.get_children_async(layout.claims(queue))}
+    calls.update(line=zk.exists_async(layout.line(queue)), dead=zk.exists_async(layout.dead(queue)))
+    for bucket in RESULT_BUCKETS:
+        calls[f"results/{bucket}"] = zk.exists_async(layout.result_dir(queue, bucket))
     calls["settings"] = zk.get_async(layout.queue(queue))
     return calls
 
 
 def _finish_queue(
-    queue: str, calls: dict[str, IAsyncResult], deadline: Deadline
+    client: Client, queue: str, calls: dict[str, IAsyncResult], deadline: Deadline
 ) -> tuple[QueueState, dict[str, list[str]]]:
-    """The queue's counts, and per priority the first unclaimed entries in dispatch order."""
+    """The queue's counts (from the stats of its buckets: nothing long is listed), and per
+    priority the first unclaimed entries in dispatch order (from its first bucket)."""
+    zk, layout = client.zk, client.layout
     claimed = set(deadline.children(calls["claims"]))
+    pairs = counts.bucket_counts(zk, layout, queue)
+    firsts = {
+        p: zk.get_children_async(layout.bucket(queue, p, ps[0][0])) for p, ps in pairs.items() if ps
+    }
     depth, waiting, probe = {}, {}, {}
-    for priority in defaults.PRIORITIES:
-        children = deadline.children(calls[priority])
-        unclaimed = [c for c in children if c not in claimed]
-        depth[priority], waiting[priority] = len(children), len(unclaimed)
-        probe[priority] = first_in_order(unclaimed, OLDEST_PROBES)
+    for p in defaults.PRIORITIES:
+        depth[p] = sum(n for _, n in pairs[p])
+        names = deadline.children(firsts[p]) if p in firsts else []
+        first = bucket_name(pairs[p][0][0]) if pairs[p] else ""
+        unclaimed = [f"{first}/{n}" for n in names if n.split("-")[0] not in claimed]
+        waiting[p] = max(0, depth[p] - (len(names) - len(unclaimed)))
+        probe[p] = first_in_order(unclaimed, OLDEST_PROBES)
     state = QueueState(
         name=queue,
         depth=depth,
@@ -186,7 +192,7 @@ def _finish_queue(
         running=len(claimed),
         idle_workers=deadline.count(calls["line"]),
         dead=deadline.count(calls["dead"]),
-        results=deadline.count(calls["results"]),
+        results=sum(deadline.count(calls[f"results/{b}"]) for b in RESULT_BUCKETS),
         max_running=QueueSettings.from_bytes(deadline.get(calls["settings"])[0]).max_running,
     )
     return state, probe

@@ -1,11 +1,16 @@
-"""The janitor: housekeeping no single worker owns, run by one elected process per cluster.
+"""The janitor: housekeeping no single worker owns, run by one elected process per cluster, on
+its own ZooKeeper session and thread (so it cannot slow the dispatch of a worker hosting it).
 
-Each pass, for every queue:
+Each pass, for every queue, with work bounded per pass whatever the volume stored:
 - reclaims running jobs whose lease ran out (a hung worker: its session alive, its runner stuck),
   by deleting the claim when the entry still carries the claim's token: the job is pending again,
   and the stale worker is fenced out (its renewal and its completion both fail);
-- expires pending jobs past their ``queue_timeout`` even when no worker frees up;
-- removes results older than the retention time.
+- expires pending jobs past their ``queue_timeout`` even when no worker frees up, scanning a few
+  pending buckets per pass in turn (each entry's spec is read once);
+- expires results through the expiry index: whole time buckets older than the retention, and the
+  oldest beyond the queue's bound on stored results (count, bytes), at most ``page`` deletes a
+  pass with ``in_flight`` outstanding (``zkqueue.expiry``);
+- keeps dead letters under their bound (the oldest go first).
 
 Times are ZooKeeper's own: the janitor writes <root>/clock and reads its mtime, so lease and age
 checks compare server timestamps with server timestamps, whatever the hosts' clocks say.
@@ -20,22 +25,23 @@ import threading
 from dataclasses import dataclass, field
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import (
-    NodeExistsError,
-    NoNodeError,
-)
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from zkqueue import defaults
+from zkqueue import counts, defaults
 from zkqueue import result as results
-from zkqueue.claims import Claims, own_untracked, reclaim
-from zkqueue.connection import TRANSIENT
+from zkqueue.claims import Claims, reclaim
+from zkqueue.connection import TRANSIENT, ConnectionSettings, close, connect
 from zkqueue.errors import CorruptRecord, InvalidJob
+from zkqueue.expiry import Expiry, ExpiryLimits
 from zkqueue.layout import EntryName, Layout, child
 from zkqueue.line import Line
+from zkqueue.nodes import own_untracked
 from zkqueue.records import ClaimBody
 from zkqueue.spec import JobSpec
 
 log = logging.getLogger("zkq.janitor")
+#: Pending buckets per priority whose new entries one pass reads (their specs, once).
+_BUCKETS_PER_PASS = 1
 
 
 @dataclass
@@ -43,21 +49,31 @@ class PassReport:
     reclaimed: list[str] = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
     results_removed: int = 0
-
-
-@dataclass
-class _Pending:
-    priority: str
-    entry: EntryName
+    dead_removed: int = 0
+    #: Stored results per queue after the pass, and the estimated bytes of their records.
+    results_stored: dict[str, int] = field(default_factory=dict)
+    results_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Deadline:
-    """What the janitor remembers of a waiting entry (its spec never changes)."""
+    """A waiting entry with a queue_timeout (its spec never changes)."""
 
-    queue_timeout: float | None
+    priority: str
+    entry: EntryName
+    queue_timeout: float
     ctime: float
     version: int
+
+
+@dataclass
+class _Scan:
+    """Where the deadline scan of one queue stands: the next bucket per priority, the highest
+    sequence read per bucket, and the entries with a deadline found so far."""
+
+    cursor: dict[str, int] = field(default_factory=dict)
+    seen: dict[tuple[str, int], int] = field(default_factory=dict)
+    deadlines: dict[str, _Deadline] = field(default_factory=dict)
 
 
 class Janitor:
@@ -70,13 +86,15 @@ class Janitor:
         *,
         result_ttl: float = defaults.RESULT_TTL,
         worker_id: str = "janitor",
+        limits: ExpiryLimits | None = None,
     ) -> None:
         self.zk = zk
         self.layout = layout
         self.result_ttl = result_ttl
         self.worker_id = worker_id
-        #: Per entry name, read once: its queue_timeout, creation time and version.
-        self._deadlines: dict[str, _Deadline] = {}
+        self.limits = limits or ExpiryLimits()
+        self._scans: dict[str, _Scan] = {}
+        self._expiry: dict[str, Expiry] = {}
 
     def server_now(self) -> float:
         """ZooKeeper's clock, in unix seconds: the mtime of a node we just wrote."""
@@ -98,37 +116,21 @@ class Janitor:
             return report
         for queue in sorted(queues):
             self._queue_pass(queue, now, report)
-        if report.reclaimed or report.expired or report.results_removed:
+        if report.reclaimed or report.expired or report.results_removed or report.dead_removed:
             log.info("janitor pass: %s", report)
         return report
 
     def _queue_pass(self, queue: str, now: float, report: PassReport) -> None:
-        pending = self._pending(queue)
-        claimed = self._reclaim_expired(queue, pending, now, report)
-        self._expire_waiting(
-            queue, [p for n, p in pending.items() if n not in claimed], now, report
-        )
-        report.results_removed += self._remove_old_results(queue, now)
+        claimed = self._reclaim_expired(queue, now, report)
+        self._expire_waiting(queue, claimed, now, report)
+        expiry = self._expiry.setdefault(queue, Expiry(self.zk, self.layout, queue, self.limits))
+        removed, stored, size = expiry.run(now, self.result_ttl)
+        report.results_removed += removed
+        report.results_stored[queue], report.results_bytes[queue] = stored, size
+        report.dead_removed += expiry.trim_dead()
 
-    def _pending(self, queue: str) -> dict[str, _Pending]:
-        out: dict[str, _Pending] = {}
-        for priority in defaults.PRIORITIES:
-            path = self.layout.pending(queue, priority)
-            try:
-                names = self.zk.get_children(path)
-            except NoNodeError:
-                continue
-            for name in names:
-                try:
-                    out[name] = _Pending(priority, EntryName.parse(name))
-                except InvalidJob:
-                    continue  # the head dead-letters malformed names
-        return out
-
-    def _reclaim_expired(
-        self, queue: str, pending: dict[str, _Pending], now: float, report: PassReport
-    ) -> set[str]:
-        """Delete claims whose lease ran out; returns the names still validly claimed."""
+    def _reclaim_expired(self, queue: str, now: float, report: PassReport) -> set[str]:
+        """Delete claims whose lease ran out; returns the ids still claimed."""
         try:
             names = self.zk.get_children(self.layout.claims(queue))
         except NoNodeError:
@@ -142,104 +144,116 @@ class Janitor:
                 continue
             body = _claim_body(data, queue, name)
             lease = body.lease if body else defaults.LEASE
-            entry = pending.get(name)
-            if entry is None or now <= stat.mtime / 1000 + lease:
+            if now <= stat.mtime / 1000 + lease or not self._reclaim(queue, name, body, stat):
                 live.add(name)
                 continue
-            # A claim nobody can read is reclaimed whatever version its entry has (token -1).
-            if self._reclaim(queue, entry, body.token if body else -1, stat.version):
-                report.reclaimed.append(entry.entry.job_id)
-                log.warning(
-                    "reclaimed job %s from %s: no lease renewal for %.0fs",
-                    entry.entry.job_id,
-                    body.worker if body else "an unreadable claim",
-                    now - stat.mtime / 1000,
-                )
-            else:
-                live.add(name)
+            report.reclaimed.append(name)
+            log.warning(
+                "reclaimed job %s from %s: no lease renewal for %.0fs",
+                name,
+                body.worker if body else "an unreadable claim",
+                now - stat.mtime / 1000,
+            )
         return live
 
-    def _reclaim(self, queue: str, entry: _Pending, token: int, claim_version: int) -> bool:
-        name = entry.entry.name
-        return reclaim(self.zk, self.layout, queue, entry.priority, name, token, claim_version)
+    def _reclaim(self, queue: str, name: str, body: ClaimBody | None, stat: object) -> bool:
+        claim = self.layout.claim(queue, name)
+        version = stat.version  # type: ignore[attr-defined]
+        if body is None or body.entry is None:
+            # A claim nobody can read (or that names no entry): it only goes, fenced by its
+            # own version; the entry, if any, is pending again.
+            try:
+                self.zk.delete(claim, version)
+            except (NoNodeError, BadVersionError):
+                return False
+            return True
+        priority, _, entry = body.entry.partition("/")
+        return reclaim(
+            self.zk, self.layout.entry(queue, priority, entry), claim, body.token, version
+        )
 
     def _expire_waiting(
-        self, queue: str, waiting: list[_Pending], now: float, report: PassReport
+        self, queue: str, claimed: set[str], now: float, report: PassReport
     ) -> None:
-        unknown = [p for p in waiting if p.entry.name not in self._deadlines]
-        calls = [
-            (p, self.zk.get_async(self.layout.entry(queue, p.priority, p.entry.name)))
-            for p in unknown
+        scan = self._scans.setdefault(queue, _Scan())
+        for priority in defaults.PRIORITIES:
+            self._scan(queue, priority, scan)
+        for name, d in list(scan.deadlines.items()):
+            if d.entry.job_id in claimed or now - d.ctime <= d.queue_timeout:
+                continue
+            if self._expire(queue, d, now):
+                report.expired.append(d.entry.job_id)
+            del scan.deadlines[name]  # expired, or claimed/changed since: a later scan re-reads
+
+    def _scan(self, queue: str, priority: str, scan: _Scan) -> None:
+        """Read the new entries of the next few buckets of a priority (in turn, wrapping)."""
+        numbers = counts.buckets(self.zk, self.layout, queue, priority)
+        alive = set(numbers)
+        scan.seen = {k: v for k, v in scan.seen.items() if k[0] != priority or k[1] in alive}
+        if not numbers:
+            return
+        start = scan.cursor.get(priority, numbers[0])
+        upcoming = [b for b in numbers if b >= start] or numbers
+        for bucket in upcoming[:_BUCKETS_PER_PASS]:
+            self._scan_bucket(queue, priority, bucket, scan)
+        following = [b for b in numbers if b > upcoming[:_BUCKETS_PER_PASS][-1]]
+        scan.cursor[priority] = following[0] if following else numbers[0]
+
+    def _scan_bucket(self, queue: str, priority: str, bucket: int, scan: _Scan) -> None:
+        seen = scan.seen.get((priority, bucket), -1)
+        fresh = [
+            e
+            for e in counts.bucket_entries(self.zk, self.layout, queue, priority, bucket)
+            if e.seq > seen
         ]
-        for p, call in calls:
+        calls = [(e, self.zk.get_async(self.layout.entry(queue, priority, e.name))) for e in fresh]
+        for entry, call in calls:
+            scan.seen[(priority, bucket)] = max(scan.seen.get((priority, bucket), -1), entry.seq)
             try:
                 data, stat = call.get()
-            except NoNodeError:
-                continue
-            try:
                 limit = JobSpec.from_bytes(data).queue_timeout
-            except InvalidJob:
-                limit = None
-            self._deadlines[p.entry.name] = _Deadline(limit, stat.ctime / 1000, stat.version)
-        for p in waiting:
-            deadline = self._deadlines.get(p.entry.name)
-            if deadline is None or deadline.queue_timeout is None:
+            except (NoNodeError, InvalidJob):
                 continue
-            if now - deadline.ctime > deadline.queue_timeout:
-                if self._expire(queue, p, deadline, now):
-                    report.expired.append(p.entry.job_id)
-                else:
-                    del self._deadlines[p.entry.name]  # claimed or changed since: read it again
-        alive = {p.entry.name for p in waiting}
-        self._deadlines = {k: v for k, v in self._deadlines.items() if k in alive}
+            if limit is not None:
+                scan.deadlines[f"{priority}/{entry.name}"] = _Deadline(
+                    priority, entry, limit, stat.ctime / 1000, stat.version
+                )
 
-    def _expire(self, queue: str, p: _Pending, deadline: _Deadline, now: float) -> bool:
+    def _expire(self, queue: str, d: _Deadline, now: float) -> bool:
         return Claims(self.zk, self.layout, queue, self.worker_id).end_unclaimed(
-            p.priority,
-            p.entry,
-            version=deadline.version,
-            submitted_at=deadline.ctime,
+            d.priority,
+            d.entry,
+            version=d.version,
+            submitted_at=d.ctime,
             status=results.EXPIRED,
-            error=f"not started within queue_timeout of {deadline.queue_timeout:g}s",
+            error=f"not started within queue_timeout of {d.queue_timeout:g}s",
             finished_at=now,
         )
 
-    def _remove_old_results(self, queue: str, now: float) -> int:
-        path = self.layout.results(queue)
-        try:
-            names = self.zk.get_children(path)
-        except NoNodeError:
-            return 0
-        calls = [(n, self.zk.exists_async(self.layout.result(queue, n))) for n in names]
-        old = [
-            (n, stat)
-            for n, call in calls
-            if (stat := call.get()) is not None and now - stat.mtime / 1000 > self.result_ttl
-        ]
-        deletes = [
-            self.zk.delete_async(self.layout.result(queue, n), stat.version) for n, stat in old
-        ]
-        removed = 0
-        for call in deletes:
-            with contextlib.suppress(NoNodeError):
-                call.get()
-                removed += 1
-        return removed
-
 
 class JanitorService:
-    """Runs janitor passes on a thread while this process is the elected janitor."""
+    """Runs janitor passes on a thread while this process is the elected janitor. Given
+    ``settings``, it opens a ZooKeeper session of its own (and closes it on stop)."""
 
     def __init__(
         self,
-        zk: KazooClient,
+        zk: KazooClient | None,
         layout: Layout,
         member_id: str,
         *,
         interval: float = defaults.JANITOR_INTERVAL,
         result_ttl: float = defaults.RESULT_TTL,
+        settings: ConnectionSettings | None = None,
+        limits: ExpiryLimits | None = None,
     ) -> None:
-        self.janitor = Janitor(zk, layout, result_ttl=result_ttl, worker_id=member_id)
+        self._owns = zk is None
+        if zk is None:
+            if settings is None:
+                raise ValueError("JanitorService needs a client or connection settings")
+            zk = connect(settings)
+        self.janitor = Janitor(
+            zk, layout, result_ttl=result_ttl, worker_id=member_id, limits=limits
+        )
         self.zk = zk
         self.layout = layout
         self.interval = interval
@@ -263,6 +277,8 @@ class JanitorService:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self._owns:
+            close(self.zk)
 
     def _run(self) -> None:
         with contextlib.suppress(NodeExistsError):

@@ -15,6 +15,7 @@ from zkqueue import claims
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
+from zkqueue.watches import remove_data_watch
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -43,6 +44,9 @@ class Owner(Protocol):
 
 PENDING = "pending"
 RUNNING = "running"
+#: An attached request whose entry went without a result (its caller gave up, or the caller's
+#: session expired): nothing was run to completion, resubmitting is safe.
+WITHDRAWN = "withdrawn"
 #: How often a waiter re-reads even without a watch firing: watches are hints, not guarantees.
 _RECHECK_SECONDS = 2.0
 #: How often a waiter tries again while ZooKeeper is unreachable.
@@ -104,7 +108,13 @@ class Job(JobPaths):
         self.entry = entry
         self.detach = detach
         self.owned = owned
+        #: Submitted with a job id that was already known: this handle is the earlier job's.
+        self.existing = False
+        #: Keep an attached result once read (by default the caller consumes it).
+        self.keep_result = False
+        self._withdrawn = False
         self._result = result
+        self._result_size = 0
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -181,8 +191,8 @@ class Job(JobPaths):
         return partial or "", None
 
     def _accept(self, found: Result) -> Result:
-        if self.owned and not self.detach:
-            self._forget_result()
+        if self.owned and not self.detach and not self.keep_result:
+            self._forget_result(found)
         self._result = found
         return found
 
@@ -203,6 +213,7 @@ class Job(JobPaths):
         path = self.entry_path
         if path is None:
             return
+        self._withdrawn = True
         zk = self.client.zk
         if not zk.connected:
             return
@@ -234,28 +245,43 @@ class Job(JobPaths):
         entry_path = self.entry_path
         # Read the entry before the result: complete() deletes the one and creates the other
         # in a single transaction, so "no entry, then no result" means nothing will come. The
-        # three reads are pipelined (one round trip): a session's requests run in order. The
-        # entry is watched with a get, which sets no watch when the entry is already gone (an
-        # exists watch on a missing node would outlive the job: a long-lived client leaks one
-        # per job).
-        entry_call = zk.get_async(entry_path, watch=watch) if entry_path else None
+        # three reads are pipelined (one round trip): a session's requests run in order. Only
+        # the result is watched (a job costs its caller one notification); the entry's end
+        # without a result (a withdrawal) is seen at the next periodic look.
+        entry_call = zk.exists_async(entry_path) if entry_path else None
         result_watch = zk.exists_async(self.result_path, watch=watch)
         result_call = zk.get_async(self.result_path)
         entry_alive = entry_call is None or _exists(entry_call, timeout)
-        result_watch.get(timeout=timeout)
+        watched = result_watch.get(timeout=timeout)
         try:
             data, _ = result_call.get(timeout=timeout)
-            return Result.from_bytes(data)
+            if watched is not None:  # the watch went onto the existing result: take it back
+                remove_data_watch(zk, self.result_path, watch)
+            self._result_size = len(data)
+            return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
         except NoNodeError:
             pass
         if not entry_alive:
-            raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
+            self._withdrawn = True
+            raise JobWithdrawn(self._withdrawn_message())
         return None
 
-    def _forget_result(self) -> None:
-        """Remove an attached result once read; nobody waits for the answer (a failure only
-        leaves it for the janitor's retention)."""
-        self.client.zk.delete_async(self.result_path)
+    def _withdrawn_message(self) -> str:
+        why = (
+            "this client withdrew it"
+            if self.owned and not self.detach
+            else "its entry was deleted without a result"
+        )
+        return (
+            f"job {self.id} was withdrawn before it produced a result ({why}, or the "
+            f"submitting client's ZooKeeper session expired and its attached request went with "
+            f"it); nothing ran to completion, so resubmitting is safe"
+        )
+
+    def _forget_result(self, record: Result) -> None:
+        """Remove an attached result once read, with its expiry index node; nobody waits for
+        the answer (a failure only leaves it for the janitor's retention)."""
+        claims.consume(self.client.zk, self.client.layout, self.queue, record, self._result_size)
 
     def _locate(self) -> None:
         """Find the entry name by scanning the priority's children (only for bare ids)."""
@@ -274,6 +300,8 @@ class Job(JobPaths):
             try:
                 data, _ = zk.get(self.result_path)
             except NoNodeError:
+                if self.entry is not None:
+                    return self._withdrawn_info()
                 raise JobNotFound(
                     f"job {self.id} has no entry and no result in queue {self.queue!r}"
                 ) from None
@@ -292,6 +320,17 @@ class Job(JobPaths):
             info.update(state=PENDING, position=self.client.position(self.queue, self.entry or ""))
         return info
 
+    def _withdrawn_info(self) -> dict[str, Any]:
+        """The entry this handle knew is gone and no result came: withdrawn."""
+        self._withdrawn = True
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "priority": self.priority,
+            "state": WITHDRAWN,
+            "error": self._withdrawn_message(),
+        }
+
     def _finished_info(self, record: Result) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -305,10 +344,9 @@ class Job(JobPaths):
 
 def _exists(call: Any, timeout: float | None) -> bool:
     try:
-        call.get(timeout=timeout)
+        return call.get(timeout=timeout) is not None
     except NoNodeError:
         return False
-    return True
 
 
 def _bound(deadline: float | None) -> float | None:

@@ -1,29 +1,41 @@
-"""The znode layout: every path zkq reads or writes is built here and nowhere else.
+"""The znode layout (protocol version 2): every path zkq reads or writes is built here and nowhere
+else. Every parent that grows with traffic is split into bounded buckets (docs/PROTOCOL.md).
 
-<root>/queues/<queue>/pending/<priority>/<id>-<seq>   a job waiting or running (spec JSON)
-<root>/queues/<queue>/claims/<id>-<seq>               EPHEMERAL: the running worker's claim
-<root>/queues/<queue>/line/w-<seq>                    EPHEMERAL_SEQUENTIAL: a worker with free slots
-<root>/queues/<queue>/results/<id>                    result record (JSON)
-<root>/queues/<queue>/dead/<entry>                    dead-lettered entry and reason (JSON)
-<root>/workers/<worker-id>                            EPHEMERAL worker registration (JSON)
+<root>/protocol                                           "2": the layout version
+<root>/queues/<queue>/pending/<priority>                  data: the tail bucket's number
+<root>/queues/<queue>/pending/<priority>/<bucket>/<id>-<seq>   a job waiting or running (spec)
+<root>/queues/<queue>/claims/<id>                         EPHEMERAL: the running worker's claim
+<root>/queues/<queue>/line/w-<seq>                        EPHEMERAL_SEQUENTIAL: a worker with room
+<root>/queues/<queue>/results/<hh>/<id>                   result record; hh from a hash of the id
+<root>/queues/<queue>/expiry/<tick>/<id>-<bytes>          the expiry index of results, by time
+<root>/queues/<queue>/dead/<letter>                       dead-lettered entry and reason (bounded)
+<root>/workers/<worker-id>                                EPHEMERAL worker registration (JSON)
+
+An entry's *name* is its path below its priority, ``<bucket>/<id>-<seq>``: ``entry()`` and
+``claim()`` take it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
 
+PROTOCOL_VERSION = 2
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ROOT_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 #: ZooKeeper formats the sequence as %010d: ten digits, or a sign and nine or ten digits.
 _SEQ_RE = re.compile(r"^(\d{10}|-\d{9,10})$")
+_BUCKET_RE = re.compile(r"^\d{10}$")
 LINE_PREFIX = "w-"
 #: ZooKeeper's sequence counter is a signed 32-bit int; after 2**31 - 1 it wraps to negative.
 _SEQ_WRAP = 2**32
+#: Hash buckets of results/: 256, named by two hex digits.
+RESULT_BUCKETS = tuple(f"{i:02x}" for i in range(256))
 
 
 def check_queue(name: str) -> str:
@@ -68,28 +80,71 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
+def bucket_name(bucket: int) -> str:
+    return f"{bucket:010d}"
+
+
+def parse_bucket(name: str) -> int | None:
+    """A pending bucket's number, or None for a name that is not one."""
+    return int(name) if _BUCKET_RE.match(name) else None
+
+
+def result_bucket(job_id: str) -> str:
+    """The results/ bucket of a job id: the first two hex digits of its SHA-1."""
+    return hashlib.sha1(job_id.encode()).hexdigest()[:2]
+
+
+def expiry_tick(finished_at: float) -> str:
+    """The expiry-index bucket of a result that ended at ``finished_at`` (unix seconds)."""
+    return f"{int(finished_at // defaults.EXPIRY_TICK):010d}"
+
+
 @dataclass(frozen=True, order=True)
 class EntryName:
-    """A pending entry's node name, ``<id>-<seq>``, where ZooKeeper appended ``<seq>``."""
+    """A pending entry's name below its priority, ``<bucket>/<id>-<seq>``, where ZooKeeper
+    appended ``<seq>``. Ordered by (bucket, sequence)."""
 
+    bucket: int
     seq: int
     job_id: str
 
     @property
-    def name(self) -> str:
+    def leaf(self) -> str:
+        """The node's own name, ``<id>-<seq>``."""
         return f"{self.job_id}-{self.seq:010d}"
 
     @property
-    def order(self) -> int:
-        """FIFO position as a number; a wrapped (negative) counter sorts after the positive ones."""
-        return self.seq % _SEQ_WRAP
+    def name(self) -> str:
+        return f"{bucket_name(self.bucket)}/{self.leaf}"
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """FIFO position: bucket, then the sequence (a wrapped, negative one sorts last)."""
+        return self.bucket, self.seq % _SEQ_WRAP
 
     @classmethod
     def parse(cls, name: str) -> EntryName:
-        job_id, sep, seq = name.partition("-")
+        """Parse ``<bucket>/<id>-<seq>``."""
+        bucket, sep, leaf = name.partition("/")
+        number = parse_bucket(bucket)
+        if not sep or number is None:
+            raise InvalidJob(f"entry name {name!r} is not <bucket>/<id>-<sequence>")
+        return cls.parse_leaf(leaf, number)
+
+    @classmethod
+    def parse_leaf(cls, leaf: str, bucket: int) -> EntryName:
+        """Parse a node name ``<id>-<seq>`` found in ``bucket``."""
+        job_id, sep, seq = leaf.partition("-")
         if not sep or not _ID_RE.match(job_id) or not _SEQ_RE.match(seq):
-            raise InvalidJob(f"entry name {name!r} is not <id>-<10-digit sequence>")
-        return cls(seq=int(seq), job_id=job_id)
+            raise InvalidJob(f"entry name {leaf!r} is not <id>-<10-digit sequence>")
+        return cls(bucket=bucket, seq=int(seq), job_id=job_id)
+
+
+def entry_job_id(name: str) -> str | None:
+    """The job id in an entry name (bucketed or not), None when it has none."""
+    leaf = name.rpartition("/")[2]
+    job_id, sep, _ = leaf.partition("-")
+    return job_id if sep and _ID_RE.match(job_id) else None
 
 
 def child(directory: str, name: str) -> str:
@@ -113,11 +168,27 @@ def line_order(name: str) -> int:
     return int(name[len(LINE_PREFIX) :]) % _SEQ_WRAP
 
 
+def index_name(job_id: str, size: int) -> str:
+    """A result's node in the expiry index: its id and its record's size in bytes."""
+    return f"{job_id}-{size}"
+
+
+def parse_index_name(name: str) -> tuple[str, int] | None:
+    job_id, sep, size = name.partition("-")
+    if not sep or not _ID_RE.match(job_id) or not size.isdigit():
+        return None
+    return job_id, int(size)
+
+
 class Layout:
     """Paths under one root. All methods are pure string builders."""
 
     def __init__(self, root: str = defaults.ROOT) -> None:
         self.root = check_root(root)
+
+    def protocol(self) -> str:
+        """The layout version marker (data: the version number as text)."""
+        return f"{self.root}/protocol"
 
     def queues(self) -> str:
         return f"{self.root}/queues"
@@ -126,20 +197,26 @@ class Layout:
         return f"{self.root}/queues/{queue}"
 
     def pending(self, queue: str, priority: str) -> str:
+        """A priority's directory of buckets; its data is the tail bucket's number."""
         return f"{self.root}/queues/{queue}/pending/{priority}"
 
+    def bucket(self, queue: str, priority: str, bucket: int) -> str:
+        return f"{self.pending(queue, priority)}/{bucket_name(bucket)}"
+
     def entry(self, queue: str, priority: str, name: str) -> str:
+        """An entry by its name below the priority, ``<bucket>/<id>-<seq>``."""
         return f"{self.pending(queue, priority)}/{name}"
 
-    def entry_prefix(self, queue: str, priority: str, job_id: str) -> str:
-        """Path to pass to a sequential create; ZooKeeper appends the sequence number."""
-        return f"{self.pending(queue, priority)}/{job_id}-"
+    def entry_prefix(self, queue: str, priority: str, job_id: str, bucket: int = 0) -> str:
+        """Path to pass to a sequential create in ``bucket``; ZooKeeper appends the sequence."""
+        return f"{self.bucket(queue, priority, bucket)}/{job_id}-"
 
     def claims(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/claims"
 
     def claim(self, queue: str, name: str) -> str:
-        return f"{self.claims(queue)}/{name}"
+        """The claim of a running entry (by entry name or by job id): one per job id."""
+        return f"{self.claims(queue)}/{entry_job_id(name) or name}"
 
     def line(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/line"
@@ -147,14 +224,32 @@ class Layout:
     def results(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/results"
 
+    def result_dir(self, queue: str, bucket: str) -> str:
+        return f"{self.results(queue)}/{bucket}"
+
     def result(self, queue: str, job_id: str) -> str:
-        return f"{self.results(queue)}/{job_id}"
+        return f"{self.results(queue)}/{result_bucket(job_id)}/{job_id}"
+
+    def expiry(self, queue: str) -> str:
+        """The expiry index: one bucket per EXPIRY_TICK seconds of finishing times."""
+        return f"{self.root}/queues/{queue}/expiry"
+
+    def expiry_bucket(self, queue: str, tick: str) -> str:
+        return f"{self.expiry(queue)}/{tick}"
+
+    def expiry_entry(self, queue: str, finished_at: float, job_id: str, size: int) -> str:
+        return f"{self.expiry_bucket(queue, expiry_tick(finished_at))}/{index_name(job_id, size)}"
 
     def dead(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/dead"
 
     def dead_node(self, queue: str, name: str) -> str:
         return f"{self.dead(queue)}/{name}"
+
+    @staticmethod
+    def dead_name(priority: str, name: str) -> str:
+        """A dead letter's node name for the entry ``name`` of ``priority``."""
+        return f"{priority}.{name.replace('/', '.')}"
 
     def janitor(self) -> str:
         """Leader election of the janitor: one line, its head is the active janitor."""
@@ -171,12 +266,18 @@ class Layout:
         return f"{self.workers()}/{worker_id}"
 
     def queue_dirs(self, queue: str) -> list[str]:
-        """Every persistent directory a queue needs, parents first."""
+        """Every persistent directory a queue needs, parents first (the last one created is
+        the last result bucket: its existence says the queue is complete)."""
         pending = [self.pending(queue, p) for p in defaults.PRIORITIES]
+        first = [self.bucket(queue, p, 0) for p in defaults.PRIORITIES]
         return [
+            f"{self.queue(queue)}/pending",
             *pending,
+            *first,
             self.claims(queue),
             self.line(queue),
-            self.results(queue),
+            self.expiry(queue),
             self.dead(queue),
+            self.results(queue),
+            *(self.result_dir(queue, b) for b in RESULT_BUCKETS),
         ]

@@ -14,7 +14,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NoNodeError
 
-from zkqueue import defaults
+from zkqueue import counts
 from zkqueue.errors import InvalidJob, QueueFull
 from zkqueue.layout import Layout
 
@@ -98,10 +98,10 @@ class Limits:
         self.set(queue, max_pending=max_pending)
 
     def waiting(self, queue: str) -> int:
-        """Jobs not yet started: entries minus claims (one stat read each, pipelined)."""
-        calls = [self.zk.exists_async(self.layout.pending(queue, p)) for p in defaults.PRIORITIES]
+        """Jobs not yet started: entries (the child counts of the pending buckets) minus
+        claims."""
         running = self.zk.exists_async(self.layout.claims(queue))
-        depth = sum(s.numChildren for c in calls if (s := c.get()) is not None)
+        depth = sum(counts.depth(self.zk, self.layout, queue).values())
         claims = running.get()
         return depth - (claims.numChildren if claims else 0)
 

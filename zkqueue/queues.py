@@ -9,7 +9,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
-from zkqueue import defaults
+from zkqueue import counts
 from zkqueue.errors import JobNotFound, QueueBusy
 from zkqueue.layout import Layout
 from zkqueue.limits import QueueSettings
@@ -21,18 +21,17 @@ _DELETE_TRIES = 5
 def queue_stats(zk: KazooClient, layout: Layout, queue: str) -> dict[str, Any]:
     """Depth per priority (running jobs included), ``waiting`` (= ``pending``, not started),
     ``running``, idle workers in the line, results, dead letters and the queue's limits; each
-    number is one stat read, all pipelined."""
-    calls = {p: zk.exists_async(layout.pending(queue, p)) for p in defaults.PRIORITIES}
-    calls.update(
-        running=zk.exists_async(layout.claims(queue)),
-        idle_workers=zk.exists_async(layout.line(queue)),
-        results=zk.exists_async(layout.results(queue)),
-        dead=zk.exists_async(layout.dead(queue)),
-    )
+    number is a child count from stat reads (bucket by bucket), nothing long is listed."""
+    calls = {
+        "running": zk.exists_async(layout.claims(queue)),
+        "idle_workers": zk.exists_async(layout.line(queue)),
+        "dead": zk.exists_async(layout.dead(queue)),
+    }
     settings_call = zk.get_async(layout.queue(queue))
-    counts = {k: (s.numChildren if (s := c.get()) else 0) for k, c in calls.items()}
-    depth = {p: counts.pop(p) for p in defaults.PRIORITIES}
-    waiting = sum(depth.values()) - counts["running"]
+    depth = counts.depth(zk, layout, queue)
+    found = {k: (s.numChildren if (s := c.get()) else 0) for k, c in calls.items()}
+    found["results"] = counts.results(zk, layout, queue)
+    waiting = sum(depth.values()) - found["running"]
     try:
         settings = QueueSettings.from_bytes(settings_call.get()[0])
     except NoNodeError:
@@ -41,7 +40,7 @@ def queue_stats(zk: KazooClient, layout: Layout, queue: str) -> dict[str, Any]:
         "depth": depth,
         "pending": waiting,
         "waiting": waiting,
-        **counts,
+        **found,
         "max_pending": settings.max_pending,
         "max_running": settings.max_running,
     }

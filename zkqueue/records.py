@@ -51,12 +51,12 @@ class ClaimBody:
     claimed_at: float
     #: Seconds the claim stays valid without a renewal.
     lease: float
+    #: The claimed entry, ``<priority>/<bucket>/<id>-<seq>`` (the janitor reclaims through it).
+    entry: str | None = None
     partial: str | None = None
 
     def to_bytes(self) -> bytes:
-        record = asdict(self)
-        if record["partial"] is None:
-            del record["partial"]
+        record = {k: v for k, v in asdict(self).items() if v is not None}
         return to_json(record)
 
     @classmethod
@@ -76,6 +76,7 @@ class ClaimBody:
                 token=int(raw["token"]),
                 claimed_at=float(raw.get("claimed_at") or 0.0),
                 lease=float(raw["lease"]),
+                entry=raw.get("entry") if isinstance(raw.get("entry"), str) else None,
                 partial=raw.get("partial") if isinstance(raw.get("partial"), str) else None,
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -203,7 +203,10 @@ class ZkServer:
             **os.environ,
             "ZOOCFGDIR": str(self.dir),
             "ZOO_LOG_DIR": str(self.dir),
-            "SERVER_JVMFLAGS": f"-Xmx256m -XX:+UseSerialGC -cp {_CLASSPATH}",
+            # ZKQ_ZK_HEAP: the server's heap (benchmarks that store 250,000 results use more).
+            "SERVER_JVMFLAGS": (
+                f"-Xmx{os.environ.get('ZKQ_ZK_HEAP', '256m')} -XX:+UseSerialGC -cp {_CLASSPATH}"
+            ),
         }
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child process owns it
         self.process = subprocess.Popen(

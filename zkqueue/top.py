@@ -29,6 +29,7 @@ from rich.live import Live
 
 from zkqueue.client import Client
 from zkqueue.exporter import READ_ERRORS, READ_TIMEOUT, Deadline, read_cluster
+from zkqueue.layout import parse_index_name
 from zkqueue.result import Result
 from zkqueue.topview import RATE_WINDOW, ResultRow, TopSnapshot, render
 
@@ -73,11 +74,11 @@ def _read_recent(
     (at most ``cap``), and read the records of the ``limit`` newest not already known."""
     zk, layout = client.zk, client.layout
     queues = [q.name for q in snap.cluster.queues]
-    lists = {q: zk.get_children_async(layout.results(q)) for q in queues}
+    lists = {q: newest_results(zk, layout, q, deadline) for q in queues}
     known = previous.seen if previous else {}
     fresh: list[tuple[str, str]] = []
-    for queue, call in lists.items():
-        snap.seen[queue] = set(deadline.children(call))
+    for queue, names in lists.items():
+        snap.seen[queue] = names
         fresh.extend((queue, n) for n in snap.seen[queue] - known.get(queue, set()))
     fresh = fresh[:cap]
     snap.examined = len(fresh)
@@ -92,6 +93,14 @@ def _read_recent(
     newest = sorted(candidates, key=lambda k: candidates[k], reverse=True)[:limit]
     rows = {(r.queue, r.id): r for r in kept}
     snap.recent = _read_rows(client, newest, rows, candidates, deadline)
+
+
+def newest_results(zk: Any, layout: Any, queue: str, deadline: Deadline) -> set[str]:
+    """Ids of the results written in the newest ticks of the expiry index (never a listing of
+    every result): the last two ticks, about the last 20 seconds."""
+    ticks = sorted(deadline.children(zk.get_children_async(layout.expiry(queue))))[-2:]
+    calls = [zk.get_children_async(layout.expiry_bucket(queue, t)) for t in ticks]
+    return {p[0] for call in calls for n in deadline.children(call) if (p := parse_index_name(n))}
 
 
 def _read_rows(

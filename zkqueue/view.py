@@ -1,11 +1,24 @@
-"""The head's view of a queue: pending entries in dispatch order and the set of claimed ones,
-kept current by child watches that only the head of the line sets."""
+"""The head's view of a queue: pending entries in dispatch order and the ids of claimed ones,
+kept current by child watches that only the head of the line sets.
+
+The view is depth-flat: per priority it lists the bucket names (one per ~1,000 entries) and only
+the first buckets, until it holds enough unclaimed candidates; a bucket's names are parsed once
+(cached by name). A bucket before the tail never gains an entry (producers' multis check the
+tail), so it is listed once more when it stops being the tail and never again; its finished
+entries are dropped when a read finds them gone. Empty buckets before the tail are deleted.
+
+Watches are set only when the head runs short of candidates (it is waiting for arrivals): then
+on the bucket names and the tail bucket of each priority. A busy head sets none, so completions
+notify nobody; it re-lists (unwatched) only the tail buckets of priorities above its best
+candidate, so a more urgent arrival is never passed over."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
@@ -13,10 +26,16 @@ from kazoo.protocol.states import WatchedEvent
 
 from zkqueue import defaults
 from zkqueue.errors import InvalidJob
-from zkqueue.layout import EntryName, Layout
+from zkqueue.layout import EntryName, Layout, bucket_name, parse_bucket
+from zkqueue.watches import remove_child_watch
 
 log = logging.getLogger("zkq.view")
 CLAIMS = "claims"
+#: Unclaimed candidates per priority the view keeps listed (when the buckets hold that many).
+WANT = 64
+#: A part of the view, re-read when its watch fires: CLAIMS, a priority (its bucket names), or
+#: (priority, bucket) (the bucket's entries).
+Part = Any
 
 
 @dataclass(eq=False)
@@ -24,11 +43,12 @@ class _Watch:
     """A stable callable per watched path: kazoo keeps watchers in a set, so re-arming the same
     object never stacks duplicate callbacks."""
 
-    part: str
+    part: Part
     view: PendingView
 
     def __call__(self, event: WatchedEvent) -> None:
         self.view.events += 1
+        self.view.armed.discard(self.part)
         self.view.on_change(self.part)
 
 
@@ -37,30 +57,103 @@ class PendingView:
     zk: KazooClient
     layout: Layout
     queue: str
-    on_change: Callable[[str], None]
-    entries: dict[str, list[EntryName]] = field(default_factory=dict)
+    on_change: Callable[[Part], None]
+    #: Bucket numbers per priority, in order.
+    buckets: dict[str, list[int]] = field(default_factory=dict)
+    #: Entries of the listed buckets, in order, by (priority, bucket).
+    listed: dict[tuple[str, int], list[EntryName]] = field(default_factory=dict)
+    #: Names (below the priority) that are not entries, by priority: the head dead-letters them.
     malformed: dict[str, list[str]] = field(default_factory=dict)
+    #: Ids of the running jobs (claims/ is one node per id).
     claimed: set[str] = field(default_factory=set)
     events: int = 0
+    #: Child listings this view made (benchmarks count them).
+    listings: int = 0
+    #: Parts with a child watch set on the server.
+    armed: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self._dirty: set[str] = {*defaults.PRIORITIES, CLAIMS}
-        self._watches = {p: _Watch(p, self) for p in (*defaults.PRIORITIES, CLAIMS)}
+        self._dirty: set[Part] = {*defaults.PRIORITIES, CLAIMS}
+        self._watches: dict[Part, _Watch] = {}
+        self._parsed: dict[tuple[str, int], dict[str, EntryName]] = {}
 
-    def invalidate(self, part: str | None = None) -> None:
-        """Mark one part (a priority or "claims"), or everything, to be re-read."""
+    def invalidate(self, part: Part | None = None) -> None:
+        """Mark one part, or everything, to be re-read."""
         if part is None:
-            self._dirty = {*defaults.PRIORITIES, CLAIMS}
+            self._dirty = {*defaults.PRIORITIES, CLAIMS, *self.listed}
         else:
             self._dirty.add(part)
 
-    def refresh(self) -> None:
-        """Re-list what changed since the last refresh, re-arming each part's watch."""
+    def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
+        """Re-list what changed since the last refresh, the claims (never watched: a job's
+        claim and completion notify nobody; the loop's periodic turn sees a claim that
+        vanished) and the tails above the best candidate, pipelined; list the next buckets of
+        any priority short of candidates; and when fewer than ``want`` candidates remain, list
+        the bucket names and tails again with watches, to hear of arrivals."""
         dirty, self._dirty = self._dirty, set()
-        calls = {
-            part: self.zk.get_children_async(self._path(part), watch=self._watches[part])
-            for part in dirty
+        self._read(dirty | {CLAIMS} | self._tails_above(exclude))
+        for _ in range(8):
+            more, self._dirty = self._short() | self._dirty, set()
+            if not more:
+                break
+            self._read(more)
+        if len(list(islice(self.candidates(set(exclude)), want))) < want:
+            self._read(self._wanted() - self.armed, arm=True)
+
+    def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
+        """The listed tail buckets of the priorities ranked above the best candidate's."""
+        best = next(self.candidates(set(exclude)), None)
+        above = defaults.PRIORITIES[: defaults.PRIORITIES.index(best[0])] if best else ()
+        return {
+            (p, self.buckets[p][-1])
+            for p in above
+            if self.buckets.get(p) and (p, self.buckets[p][-1]) not in self.armed
         }
+
+    def _wanted(self) -> set[Part]:
+        """What a waiting head watches: each priority's bucket names and its tail bucket."""
+        tails = {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
+        return {*defaults.PRIORITIES, *tails}
+
+    def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
+        """Unclaimed entries in dispatch order: priority rank, then bucket and sequence."""
+        for priority in defaults.PRIORITIES:
+            for bucket in self.buckets.get(priority, []):
+                entries = self.listed.get((priority, bucket))
+                if entries is None:
+                    break  # not listed: the priority has enough candidates before it
+                for entry in entries:
+                    if entry.job_id not in self.claimed and entry.name not in exclude:
+                        yield priority, entry
+
+    def unwatch(self) -> None:
+        """Stop watching (this worker leaves the head of the line): remove the bucket watches
+        it set, so later arrivals and completions notify the new head only (the bucket names'
+        watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
+        time."""
+        for part in [p for p in self.armed if not isinstance(p, str)]:
+            watch = self._watches.get(part)
+            if watch is not None:
+                remove_child_watch(self.zk, self._path(part), watch)
+            self.armed.discard(part)
+            self._dirty.add(part)
+
+    def drop(self, priority: str, entry: EntryName) -> None:
+        """Forget an entry that is gone (its bucket's watch will confirm it)."""
+        entries = self.listed.get((priority, entry.bucket), [])
+        if entry in entries:
+            entries.remove(entry)
+
+    def _read(self, parts: set[Part], arm: bool = False) -> None:
+        calls = {
+            part: self.zk.get_children_async(
+                self._path(part), watch=self._watch(part) if arm else None
+            )
+            for part in parts
+        }
+        if arm:
+            self.armed |= set(parts)
+        self.listings += len(calls)
         for part, call in calls.items():
             try:
                 names = call.get()
@@ -68,34 +161,93 @@ class PendingView:
                 names = []
             if part == CLAIMS:
                 self.claimed = set(names)
-            else:
+            elif isinstance(part, str):
+                self._store_buckets(part, names)
+            elif part[1] in self.buckets.get(part[0], []):
                 self._store(part, names)
 
-    def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
-        """Unclaimed entries in dispatch order: priority rank, then sequence as a number."""
+    def _short(self) -> set[Part]:
+        """Buckets to list next: per priority, the first unlisted ones while the listed ones
+        hold fewer than WANT unclaimed entries. Empty buckets before the tail are deleted."""
+        more: set[Part] = set()
         for priority in defaults.PRIORITIES:
-            for entry in self.entries.get(priority, []):
-                if entry.name not in self.claimed and entry.name not in exclude:
-                    yield priority, entry
+            numbers = self.buckets.get(priority, [])
+            have = 0
+            for bucket in numbers:
+                key = (priority, bucket)
+                entries = self.listed.get(key)
+                if entries is None:
+                    more.add(key)
+                    break
+                if not entries and bucket != numbers[-1]:
+                    self._remove_bucket(key)
+                    continue
+                for e in entries:
+                    have += e.job_id not in self.claimed
+                    if have >= WANT:
+                        break
+                if have >= WANT:
+                    break
+        return more
 
-    def drop(self, priority: str, entry: EntryName) -> None:
-        """Forget an entry we just claimed or removed (its watch event will confirm it)."""
-        entries = self.entries.get(priority, [])
-        if entry in entries:
-            entries.remove(entry)
+    def _remove_bucket(self, key: tuple[str, int]) -> None:
+        self.zk.delete_async(self._path(key))  # NotEmpty or NoNode: someone else's business
+        self._forget(key)
 
-    def _store(self, priority: str, names: list[str]) -> None:
-        parsed, bad = [], []
+    def _forget(self, key: tuple[str, int]) -> None:
+        self.listed.pop(key, None)
+        self._parsed.pop(key, None)
+        self._watches.pop(key, None)
+        self.armed.discard(key)
+
+    def _store_buckets(self, priority: str, names: list[str]) -> None:
+        numbers, bad = [], []
         for name in names:
-            try:
-                parsed.append(EntryName.parse(name))
-            except InvalidJob:
-                bad.append(name)
-        parsed.sort(key=lambda e: e.order)
-        self.entries[priority] = parsed
-        self.malformed[priority] = bad
+            number = parse_bucket(name)
+            if number is None:
+                bad.append(name)  # an entry created outside any bucket
+            else:
+                numbers.append(number)
+        numbers.sort()
+        old = self.buckets.get(priority)
+        if old and numbers and numbers[-1] > old[-1] and (priority, old[-1]) in self.listed:
+            self._dirty.add((priority, old[-1]))  # no longer the tail: list it once more
+        self.buckets[priority] = numbers
+        inside = [m for m in self.malformed.get(priority, []) if "/" in m]
+        self.malformed[priority] = bad + inside
+        present = set(numbers)
+        for key in [k for k in self.listed if k[0] == priority and k[1] not in present]:
+            self._forget(key)
 
-    def _path(self, part: str) -> str:
+    def _store(self, key: tuple[str, int], names: list[str]) -> None:
+        priority, bucket = key
+        old = self._parsed.get(key, {})
+        parsed: dict[str, EntryName] = {}
+        for leaf in names:
+            entry = old.get(leaf)
+            if entry is None:
+                try:
+                    entry = EntryName.parse_leaf(leaf, bucket)
+                except InvalidJob:
+                    self.malformed.setdefault(priority, []).append(f"{bucket_name(bucket)}/{leaf}")
+                    continue
+            parsed[leaf] = entry
+        self._parsed[key] = parsed
+        self.listed[key] = sorted(parsed.values(), key=_order)
+
+    def _watch(self, part: Part) -> _Watch:
+        watch = self._watches.get(part)
+        if watch is None:
+            watch = self._watches[part] = _Watch(part, self)
+        return watch
+
+    def _path(self, part: Part) -> str:
         if part == CLAIMS:
             return self.layout.claims(self.queue)
-        return self.layout.pending(self.queue, part)
+        if isinstance(part, str):
+            return self.layout.pending(self.queue, part)
+        return self.layout.bucket(self.queue, part[0], part[1])
+
+
+def _order(entry: EntryName) -> tuple[int, int]:
+    return entry.order

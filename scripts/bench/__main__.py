@@ -29,7 +29,18 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
-from scripts.bench import dispatch, herd, model, plots, profile, report, scenarios, targets
+from scripts.bench import (
+    dispatch,
+    herd,
+    model,
+    plots,
+    profile,
+    report,
+    scale,
+    scenarios,
+    soak,
+    targets,
+)
 from scripts.bench.core import Bench, Config
 from zkqueue import defaults
 
@@ -46,7 +57,11 @@ SUITES: dict[str, Callable[[Bench, Log], Any]] = {
     "batching": model.run_batching,
     "redis": dispatch.run_redis,
     "profile": profile.run_profile,
+    "scale": scale.run_scale,
+    "soak": soak.run_soak,
 }
+#: Suites that run only when named (minutes each).
+OPT_IN = {"scale", "soak"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +91,13 @@ def chosen(args: argparse.Namespace) -> tuple[str, ...]:
     unknown = (only | skip) - set(SUITES)
     if unknown:
         raise SystemExit(f"unknown suite(s): {', '.join(sorted(unknown))}")
-    return tuple(s for s in SUITES if (not only or s in only or s == "warmup") and s not in skip)
+    # The long suites run only when named.
+    default = [s for s in SUITES if s not in OPT_IN]
+    return tuple(
+        s
+        for s in SUITES
+        if (s in only or s == "warmup" or (not only and s in default)) and s not in skip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

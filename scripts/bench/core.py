@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 from scripts.bench import wire
 from scripts.bench.agents import agent_main
@@ -182,6 +183,16 @@ class Bench:
     def children(self, path: str) -> int:
         stat = self.zk.exists(path)
         return stat.numChildren if stat is not None else 0
+
+    def indexed(self, expiry: str) -> int:
+        """Results written under a queue's expiry index (its tick buckets' child counts: a few
+        reads, whatever the number of results)."""
+        try:
+            ticks = self.zk.get_children(expiry)
+        except NoNodeError:
+            return 0
+        calls = [self.zk.exists_async(f"{expiry}/{t}") for t in ticks]
+        return sum(s.numChildren for c in calls if (s := c.get()) is not None)
 
     def server_cpu(self) -> float:
         process = self.cluster.servers[0].process

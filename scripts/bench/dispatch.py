@@ -73,14 +73,14 @@ def zkq_run(bench: Bench, procs: int, slots: int, mode: str, n: int) -> dict[str
         before = wire.snapshot()
         client.submit_many([_prompt(i) for i in range(n)], queue=QUEUE, detach=True)
         producer_wire = wire.delta(wire.snapshot(), before)
-    results = client.layout.results(QUEUE)
-    run = _Run(bench, agents, lambda: bench.children(results) >= n, n)
+    results = client.layout.expiry(QUEUE)
+    run = _Run(bench, agents, lambda: bench.indexed(results) >= n, n)
     if mode == "prefill":
         run.go()
     else:
         call_all(agents, "go")
         run.start_producer("produce_zkq", root=root, queue=QUEUE, n=n)
-    row = run.finish(done=lambda: bench.children(results))
+    row = run.finish(done=lambda: bench.indexed(results))
     call_all(agents, "stop")
     row.update(system="zkq", procs=procs, slots=slots, mode=mode, root=root)
     if mode == "prefill":

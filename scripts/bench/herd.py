@@ -9,6 +9,7 @@ from typing import Any
 
 from kazoo.recipe.queue import LockingQueue
 
+from scripts.bench import wire
 from scripts.bench.core import PROMPT, QUEUE, AgentHandle, Bench, call_all, wait_until
 
 Log = Callable[[str], None]
@@ -78,13 +79,17 @@ def _herd_measure(
     bench: Bench, agents: list[AgentHandle], one_job: Callable[[], None]
 ) -> dict[str, Any]:
     """Run jobs one at a time; after each, flush every session's notifications and count them."""
-    per_job, woken, events = [], [], []
+    per_job, woken, events, callers = [], [], [], []
     before = first = call_all(agents, "stats", flush=True)
     for _ in range(bench.config.herd_jobs):
+        mine = wire.snapshot()
         one_job()
         after = call_all(agents, "stats", flush=True)
+        # The caller's own notifications (its result watch) count too: this process's sessions.
+        caller = sum(wire.delta(wire.snapshot(), mine)["watches"].values())
         counts = [_watches(a) - _watches(b) for a, b in zip(after, before, strict=True)]
-        per_job.append(sum(counts))
+        per_job.append(sum(counts) + caller)
+        callers.append(caller)
         woken.append(sum(1 for c in counts if c > 0))
         events.append(
             sum(
@@ -98,6 +103,7 @@ def _herd_measure(
     return {
         "jobs": len(per_job),
         "notifications_per_job": sum(per_job) / jobs,
+        "caller_notifications_per_job": sum(callers) / jobs,
         "max_notifications": max(per_job, default=0),
         "sessions_woken_per_job": sum(woken) / jobs,
         "max_sessions_woken": max(woken, default=0),

@@ -43,8 +43,8 @@ def _profile_workers(bench: Bench, procs: int, slots: int, n: int) -> tuple[str,
     client.submit_many([f"profiled job {i}" for i in range(n)], queue=QUEUE, detach=True)
     before = call_all(agents, "stats")
     call_all(agents, "go")
-    results = client.layout.results(QUEUE)
-    wait_until(lambda: bench.children(results) >= n, max(30.0, n / 10))
+    results = client.layout.expiry(QUEUE)
+    wait_until(lambda: bench.indexed(results) >= n, max(30.0, n / 10))
     stopped = call_all(agents, "stop")
     roles: dict[str, float] = {}
     for a, b in zip(stopped, before, strict=True):

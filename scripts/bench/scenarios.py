@@ -39,8 +39,8 @@ def run_warmup(bench: Bench, log: Log) -> dict[str, Any]:
     agent = bench.agents(1)[0]
     agent.call("zkq_start", root=root, queue=QUEUE, slots=4)
     agent.call("go")
-    results = client.layout.results(QUEUE)
-    wait_until(lambda: bench.children(results) >= jobs, 30)
+    results = client.layout.expiry(QUEUE)
+    wait_until(lambda: bench.indexed(results) >= jobs, 30)
     agent.call("stop")
     log(f"  {need} agent processes started in {spawn:.1f} s; JIT warmed")
     return {"agents": need, "spawn_s": spawn, "warm_s": time.perf_counter() - start}
@@ -169,7 +169,8 @@ def _depth_once(bench: Bench, depth: int) -> dict[str, Any]:
         [f"depth job {i}" for i in range(depth + cfg.depth_claims)], queue=QUEUE, detach=True
     )
     fill_s = time.perf_counter() - start
-    pending = client.layout.pending(QUEUE, "normal")
+    # One bucket's listing: what the head lists at most per refresh, whatever the depth.
+    pending = client.layout.bucket(QUEUE, "normal", 0)
     lists = []
     for _ in range(5):
         start = time.perf_counter()
@@ -183,14 +184,14 @@ def _depth_once(bench: Bench, depth: int) -> dict[str, Any]:
     agent = bench.agents(1)[0]
     agent.call("zkq_start", root=root, queue=QUEUE, slots=1)
     before = agent.call("stats")
-    results = client.layout.results(QUEUE)
+    results = client.layout.expiry(QUEUE)
     start = time.perf_counter()
     agent.call("go")
-    finished = wait_until(lambda: bench.children(results) >= cfg.depth_claims, 120)
+    finished = wait_until(lambda: bench.indexed(results) >= cfg.depth_claims, 120)
     elapsed = time.perf_counter() - start
     after = agent.call("stats")
     agent.call("stop")
-    done = bench.children(results) if not finished else cfg.depth_claims
+    done = bench.indexed(results) if not finished else cfg.depth_claims
     traffic = wire.delta(after["wire"], before["wire"])
     reads, writes = wire.split_requests(traffic["requests"])
     timers = after.get("timers", {})

@@ -62,7 +62,7 @@ def install() -> None:
 
 def _path_kind(path: str) -> str:
     """What a watched path is, in zkq's layout (or kazoo LockingQueue's)."""
-    parts = path.rsplit("/", 3)
+    parts = path.rsplit("/", 4)
     if len(parts) >= 2 and parts[-2] == "line":
         return "line node"
     if parts[-1] in ("claims", "taken", "entries", "line"):
@@ -70,7 +70,13 @@ def _path_kind(path: str) -> str:
     if parts[-1] in ("high", "normal", "low") and len(parts) >= 2 and parts[-2] == "pending":
         return "pending/<priority>/"
     if len(parts) >= 3 and parts[-3] == "pending":
+        return "pending/<priority>/<bucket>/"
+    if len(parts) >= 4 and parts[-4] == "pending":
         return "entry"
+    if len(parts) >= 3 and parts[-3] == "results":
+        return "result"
+    if len(parts) >= 2 and parts[-2] == "claims":
+        return "claim"
     return "other"
 
 

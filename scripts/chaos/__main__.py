@@ -1,4 +1,5 @@
-"""zkq chaos run: every fault-injection scenario, then RELIABILITY.md with the figures.
+"""zkq chaos run: every fault-injection scenario, then a RELIABILITY.md-style report (written to
+--out: chaos-results/RELIABILITY.md unless told otherwise).
 
 Real ZooKeeper servers, real worker processes, all on loopback. From the repository root:
 
@@ -13,6 +14,7 @@ duplicated), 1 otherwise. Each scenario starts its own ZooKeeper on loopback.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -27,8 +29,6 @@ from typing import Any
 
 from scripts.chaos.audit import ChaosReport
 from scripts.chaos.scenarios import SCENARIOS
-
-REPO = Path(__file__).resolve().parents[2]
 
 #: Sizes of the full run (each scenario runs 3 times): about 5 minutes on a 2-core machine.
 FULL: dict[str, dict[str, Any]] = {
@@ -133,9 +133,10 @@ Known and not fixed here:
 - `Client.submit` that loses the connection mid-create and does not get it back within
   `connect_timeout` raises `ZkqConnectionError` although the job may exist: the caller cannot
   know its id. The scenarios pause the producer while the ensemble has no quorum for that reason.
-- A hand-made entry that reuses the id of a finished job runs `max_attempts` times (each
-  completion refused because the result exists) before it is dead-lettered; a check for an
-  existing result at claim time would save those runs.
+- A hand-made entry that reuses the id of a finished job is dead-lettered as a duplicate when
+  the head reaches it (it never runs). One narrow window remains: if the first job completes
+  between the head's read of the duplicate and its claim, the duplicate runs once and its
+  completion is refused (the result exists).
 """
 
 
@@ -145,10 +146,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (the tests' sizes)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {list(FULL)}")
-    parser.add_argument("--out", default=str(REPO / "RELIABILITY.md"), help="markdown report")
+    parser.add_argument(
+        "--out",
+        default="chaos-results/RELIABILITY.md",
+        help="markdown report (the tracked RELIABILITY.md only when named)",
+    )
     parser.add_argument("--repeat", type=int, default=None, help="runs per scenario (3; 1 quick)")
     parser.add_argument("--json", default=None, help="also write the raw reports here")
+    parser.add_argument(
+        "--session-timeout", type=float, default=None, help="every session's timeout (s)"
+    )
+    parser.add_argument("--lease", type=float, default=None, help="the hung scenario's lease")
+    parser.add_argument(
+        "--janitor-interval", type=float, default=None, help="the hung scenario's janitor"
+    )
     return parser.parse_args(argv)
+
+
+def timeouts(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The timeouts given on the command line that scenario ``name`` takes."""
+    given = {
+        "session_timeout": args.session_timeout,
+        "lease": args.lease,
+        "janitor_interval": args.janitor_interval,
+    }
+    accepted = inspect.signature(SCENARIOS[name]).parameters
+    return {k: v for k, v in given.items() if v is not None and k in accepted}
 
 
 def chosen(args: argparse.Namespace) -> list[str]:
@@ -286,9 +309,9 @@ def markdown(reports: list[ChaosReport], argv: list[str], elapsed: float) -> str
         "is withdrawn by design). Each scenario below runs real ZooKeeper servers (Debian's "
         "package) and real `zkq worker` processes on loopback, injects one fault under load, "
         "waits for the queue to drain and audits it: every submitted job's result, entries or "
-        "claims left behind, results nobody submitted, and results written twice (the results "
-        "directory's `cversion` counts every create and delete of a result, so a second answer "
-        "cannot hide).",
+        "claims left behind, results nobody submitted, and results written twice (each result "
+        "bucket's `cversion` counts every create and delete of a result in it, so a second "
+        "answer cannot hide). Layout: protocol version 2 (docs/PROTOCOL.md).",
         "",
         f"Reproduce: `{command(argv)}` (whole run {elapsed:.0f} s on {environment()}). "
         "The same scenarios at small sizes run in the tests: "
@@ -326,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen(args):
         for i in range(repeat):
             print(f"-- {name} run {i + 1}/{repeat} {sizes[name]}", flush=True)
-            report = run_one(name, sizes[name])
+            report = run_one(name, {**sizes[name], **timeouts(args, name)})
             print(report.summary(), flush=True)
             if not report.ok:
                 print(report.logs[-4000:], file=sys.stderr)
             runs.setdefault(name, []).append(report)
     elapsed = time.monotonic() - started
     reports = [merge(r) for r in runs.values()]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(markdown(reports, argv, elapsed))
     if args.json:
         raw = {name: [r.to_dict() for r in rs] for name, rs in runs.items()}

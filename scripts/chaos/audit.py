@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
-from zkqueue import defaults
+from zkqueue import counts, defaults
 from zkqueue import result as results
-from zkqueue.layout import Layout
+from zkqueue.layout import RESULT_BUCKETS, Layout
 
 #: The one queue every scenario uses.
 QUEUE = defaults.QUEUE
@@ -197,8 +198,16 @@ def audit(
 def _read_results(
     zk: KazooClient, layout: Layout
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float], int, int]:
-    path = layout.results(QUEUE)
-    names, stat = zk.get_children(path, include_data=True)
+    names: list[str] = []
+    creates = 0
+    for bucket in RESULT_BUCKETS:
+        try:
+            found, stat = zk.get_children(layout.result_dir(QUEUE, bucket), include_data=True)
+        except NoNodeError:
+            continue
+        names += found
+        # cversion counts the bucket's child creates and deletes: creates = (cversion + kids) / 2
+        creates += (stat.cversion + len(found)) // 2
     calls = [(n, zk.get_async(layout.result(QUEUE, n))) for n in names]
     records: dict[str, dict[str, Any]] = {}
     ctimes: dict[str, float] = {}
@@ -208,15 +217,14 @@ def _read_results(
         records[name] = json.loads(data)
         ctimes[name] = node.ctime / 1000
         rewritten += node.version > 0
-    creates = (stat.cversion + len(names)) // 2
     return records, ctimes, rewritten, creates
 
 
 def _leftovers(zk: KazooClient, layout: Layout) -> list[str]:
     """Entry names still pending in any priority, and claims still held."""
-    names: list[str] = []
-    for priority in defaults.PRIORITIES:
-        names += zk.get_children(layout.pending(QUEUE, priority))
+    names = [e.leaf for _, e in counts.in_order(zk, layout, QUEUE)]
+    for priority in defaults.PRIORITIES:  # entries outside any bucket (garbage)
+        names += [n for n in zk.get_children(layout.pending(QUEUE, priority)) if "-" in n]
     claims = zk.get_children(layout.claims(QUEUE))
     return sorted(set(names) | set(claims))
 

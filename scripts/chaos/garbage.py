@@ -11,7 +11,7 @@ from scripts.chaos.load import spawn_fleet
 from scripts.chaos.stage import Stage, WorkerProcess, poll
 from zkqueue import defaults
 from zkqueue import result as results
-from zkqueue.layout import child
+from zkqueue.layout import Layout, bucket_name, child
 
 # -- (f) garbage entries ---------------------------------------------------------------------
 
@@ -97,7 +97,7 @@ def _interleave(st: Stage, jobs: int) -> tuple[dict[str, str], list[str]]:
         if job_id is not None:
             expected[job_id] = results.DEAD
     name = _write_nested(st, jobs)
-    letters.append(name)
+    letters.append(Layout.dead_name("low", f"{bucket_name(0)}/{name}"))
     expected[name.split("-", 1)[0]] = results.DEAD
     return expected, letters
 
@@ -109,18 +109,20 @@ def _write_garbage(st: Stage, kind: int, n: int, priority: str) -> tuple[str, st
         path = st.zk.create(
             st.layout.entry_prefix(QUEUE, priority, f"{label}{n}"), data, sequence=True
         )
-        return path.rsplit("/", 1)[1], f"{label}{n}"
+        return Layout.dead_name(
+            priority, f"{bucket_name(0)}/{path.rsplit('/', 1)[1]}"
+        ), f"{label}{n}"
     pattern, sequential = BAD_NAMES[kind - len(BAD_DATA)]
     path = st.layout.entry(QUEUE, priority, pattern.format(n=n))
     path = st.zk.create(path, b'{"prompt": "x"}', sequence=sequential)
-    return path.rsplit("/", 1)[1], None
+    return Layout.dead_name(priority, path.rsplit("/", 1)[1]), None
 
 
 def _write_nested(st: Stage, n: int) -> str:
     """A valid spec with a node hung under it (created in one multi, so no worker can take
     the entry before its child exists). Its completion could never delete it."""
     name = f"haschild{n}-{9_000_000_000 + n:010d}"
-    path = st.layout.entry(QUEUE, "low", name)
+    path = st.layout.entry(QUEUE, "low", f"{bucket_name(0)}/{name}")
     txn = st.zk.transaction()
     txn.create(path, b'{"prompt": "x"}')
     txn.create(child(path, "kid"), b"")
@@ -132,7 +134,7 @@ def _reuse_id(st: Stage, job_id: str) -> str:
     """A hand-made entry reusing the id of a job that already has its result."""
     prefix = st.layout.entry_prefix(QUEUE, "normal", job_id)
     path = st.zk.create(prefix, b'{"prompt": "second answer?"}', sequence=True)
-    return path.rsplit("/", 1)[1]
+    return Layout.dead_name("normal", f"{bucket_name(0)}/{path.rsplit('/', 1)[1]}")
 
 
 def _dead_names(st: Stage) -> set[str]:

@@ -30,7 +30,7 @@ from scripts.chaos.audit import QUEUE, Audit, ChaosReport, audit
 from zkqueue import result as results
 from zkqueue.client import Client
 from zkqueue.errors import ZkqError
-from zkqueue.layout import Layout, child
+from zkqueue.layout import RESULT_BUCKETS, Layout, child
 from zkqueue.testing import ZkCluster
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -276,7 +276,10 @@ class Stage:
     # -- reading the queue -----------------------------------------------------------------
 
     def result_ids(self) -> set[str]:
-        return set(self.zk.get_children(self.layout.results(QUEUE)))
+        calls = [
+            self.zk.get_children_async(self.layout.result_dir(QUEUE, b)) for b in RESULT_BUCKETS
+        ]
+        return {n for c in calls for n in c.get()}
 
     def claims_by_worker(self) -> dict[str, set[str]]:
         """Job ids currently claimed, per worker name (from the claim nodes' data)."""

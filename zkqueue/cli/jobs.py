@@ -297,19 +297,21 @@ def cancel(ctx: click.Context, job_id: str, queue: str | None) -> None:
 
 @click.command("ls")
 @click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
-@click.option("--limit", type=COUNT, default=None, help="Show at most N jobs.")
+@click.option("--limit", type=COUNT, default=100, show_default=True, help="Show at most N jobs.")
+@click.option("--all", "all_", is_flag=True, help="Show every job (read bucket by bucket).")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
-def ls(ctx: click.Context, queue: str, limit: int | None, as_json: bool) -> None:
-    """List pending and running jobs in dispatch order.
+def ls(ctx: click.Context, queue: str, limit: int, all_: bool, as_json: bool) -> None:
+    """List pending and running jobs in dispatch order (the first --limit of them).
 
     \b
     Example:
       zkq ls --queue llama --limit 20
+      zkq ls --all --json
     """
     with open_client(ctx) as client:
-        rows = client.list(queue=queue, limit=limit)
+        rows = client.list(queue=queue, limit=None if all_ else limit)
     if as_json:
         emit(rows)
         return

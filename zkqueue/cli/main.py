@@ -124,6 +124,7 @@ for _command in (
     queues.queues,
     queues.queue,
     queues.queue_limit,
+    ops.migrate,
     ops.top,
     ops.metrics,
     ops.completion,

@@ -68,19 +68,23 @@ def workers(ctx: click.Context, as_json: bool) -> None:
         )
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--queue", default=None, help="Only this queue.", callback=checked(check_queue))
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
 def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
-    """List dead-lettered jobs with the reason (malformed entries, poison jobs).
+    """List dead-lettered jobs with the reason (malformed entries, poison jobs); ``zkq dead
+    purge`` removes them.
 
     \b
     Example:
       zkq dead --queue llama
       zkq dead --json | jq -r '.[].id' | xargs -n1 zkq requeue
+      zkq dead purge --older-than 86400
     """
+    if ctx.invoked_subcommand is not None:
+        return
     with open_client(ctx) as client:
         letters = client.dead(queue)
     if as_json:
@@ -88,6 +92,44 @@ def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
         return
     for x in letters:
         click.echo(f"{x.get('id') or '-'}  {x['queue']}/{x['priority']}  {x['reason']}")
+
+
+@dead.command("purge")
+@click.option("--queue", default=None, help="Only this queue.", callback=checked(check_queue))
+@click.option("--older-than", type=SECONDS, default=None, help="Only letters older than SECONDS.")
+@click.pass_context
+@handles_errors
+def dead_purge(ctx: click.Context, queue: str | None, older_than: float | None) -> None:
+    """Delete dead letters (all, or those older than --older-than seconds).
+
+    \b
+    Example:
+      zkq dead purge --queue llama --older-than 604800
+    """
+    with open_client(ctx) as client:
+        removed = client.purge_dead(queue, older_than=older_than)
+    click.echo(f"purged {removed} dead letter(s)")
+
+
+@click.command()
+@click.pass_context
+@handles_errors
+def migrate(ctx: click.Context) -> None:
+    """Move a root written by protocol version 1 to version 2 (stop version 1 workers first).
+
+    \b
+    Example:
+      zkq --root /zkq migrate
+    """
+    from zkqueue.migrate import migrate as run
+
+    with open_client(ctx) as client, client.mapped():
+        report = run(client.zk, client.layout)
+    click.echo(
+        f"migrated: {report.entries} entries, {report.results} results; "
+        f"{report.left_attached} attached entries left to their callers; "
+        f"{len(report.skipped)} skipped"
+    )
 
 
 @click.command()

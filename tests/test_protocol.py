@@ -1,0 +1,160 @@
+"""Protocol version 2: bucketed pending entries in exact order, one run per job id, results that
+expire through the index, a version 1 root refused then migrated, withdrawn requests."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from kazoo.client import KazooClient
+
+from tests.conftest import result_ids, wait_for
+from tests.runners import GateRunner
+from zkqueue import Client, defaults
+from zkqueue.enqueue import Enqueuer
+from zkqueue.errors import ExitCode, JobWithdrawn, ProtocolMismatch
+from zkqueue.expiry import ExpiryLimits
+from zkqueue.janitor import Janitor
+from zkqueue.migrate import migrate
+
+
+def test_buckets_roll_over_and_order_stays_exact(client: Client, start_worker) -> None:
+    client._enqueue = Enqueuer(client, bucket_size=5)
+    jobs = [client.submit(f"job {i}", detach=True) for i in range(7)]
+    jobs += client.submit_many([f"job {i}" for i in range(7, 23)])
+    buckets = client.zk.get_children(client.layout.pending("default", "normal"))
+    assert len(buckets) >= 3  # buckets of about five (a multi of 16 may overfill one)
+    assert [j.id for j in jobs] == [r["id"] for r in client.list(limit=None)]
+    records = []
+    runner = GateRunner()
+    runner.gate.set()
+    start_worker(runner)
+    records = [j.result(timeout=20) for j in jobs]
+    started = sorted(records, key=lambda r: r.started_at or 0)
+    assert [r.id for r in started] == [j.id for j in jobs]
+    wait_for(
+        lambda: len(client.zk.get_children(client.layout.pending("default", "normal"))) == 1,
+        message="empty buckets before the tail deleted",
+    )
+
+
+def test_the_same_id_submitted_twice_runs_once(client: Client, start_worker) -> None:
+    """docs/PROTOCOL.md's zkCli example, twice: the second entry is a duplicate, never run."""
+    client.ensure_queue("default")
+    bucket = client.layout.bucket("default", "normal", 0)
+    runner = GateRunner()
+    runner.gate.set()
+    handle = start_worker(runner)
+    client.zk.create(f"{bucket}/myjob1-", b'{"prompt": "Hello"}', sequence=True)
+    assert client.job("myjob1").result(timeout=10).output == "Hello"
+    client.zk.create(f"{bucket}/myjob1-", b'{"prompt": "Hello"}', sequence=True)
+    wait_for(lambda: handle.worker.stats.dead_lettered == 1, message="duplicate lettered")
+    assert handle.worker.stats.completed == 1
+    [letter] = client.dead()
+    assert "duplicate" in letter["reason"]
+    again = client.submit("Hello", job_id="myjob1", detach=True)
+    assert again.existing and again.status() == "succeeded"
+    assert handle.worker.stats.completed == 1
+
+
+def test_a_version_1_root_is_refused_then_migrated(
+    client: Client, new_zk, start_worker, zkq
+) -> None:
+    zk = new_zk()
+    lay = client.layout
+    for path in ("pending/high", "pending/normal", "pending/low", "claims", "line", "results"):
+        zk.create(f"{lay.queue('default')}/{path}", makepath=True)
+    pending = f"{lay.queue('default')}/pending/normal"
+    for i in range(3):
+        zk.create(f"{pending}/old{i}-", json.dumps({"prompt": f"v1 {i}"}).encode(), sequence=True)
+    zk.create(f"{lay.results('default')}/done1", b'{"id":"done1","queue":"default",'
+              b'"priority":"normal","status":"succeeded","finished_at":1.0}')  # fmt: skip
+    with pytest.raises(ProtocolMismatch, match="zkq migrate"):
+        client.submit("refused", detach=True)
+    out = zkq("stats")
+    assert out.returncode == ExitCode.CONFIG and "zkq migrate" in out.stderr
+    report = migrate(zk, lay)
+    assert (report.entries, report.results) == (3, 1)
+    assert client.job("done1").status() == "succeeded"
+    client._protocol_checked = False
+    start_worker()
+    assert [client.job(f"old{i}").result(timeout=10).output for i in range(3)] == [
+        "v1 0",
+        "v1 1",
+        "v1 2",
+    ]
+
+
+def test_results_expire_through_the_index_with_a_bound(
+    client: Client, start_worker, monkeypatch
+) -> None:
+    monkeypatch.setattr(defaults, "EXPIRY_TICK", 0.5)  # index buckets of half a second
+    start_worker()
+    for job in client.submit_many([f"r{i}" for i in range(30)]):
+        job.result(timeout=10)
+    janitor = Janitor(client.zk, client.layout, limits=ExpiryLimits(max_results=10))
+    report = janitor.run_pass()
+    assert (report.results_removed, report.results_stored["default"]) == (20, 10)
+    assert len(result_ids(client)) == 10
+    time.sleep(1.1)  # their tick closes
+    report = Janitor(client.zk, client.layout, result_ttl=0.0).run_pass()
+    assert report.results_removed == 10 and result_ids(client) == []
+    assert client.zk.get_children(client.layout.expiry("default")) == []
+
+
+def test_an_attached_caller_consumes_its_result(client: Client, start_worker) -> None:
+    start_worker()
+    record = client.submit("consumed").result(timeout=10)
+    wait_for(lambda: not result_ids(client), message="result and index node removed")
+    expiry = client.layout.expiry("default")
+    ticks = client.zk.get_children(expiry)
+    assert [n for t in ticks for n in client.zk.get_children(f"{expiry}/{t}")] == []
+    kept = client.submit("kept", keep_result=True)
+    kept.result(timeout=10)
+    assert result_ids(client) == [kept.id] and record.ok
+
+
+def test_an_expired_producer_session_withdraws_its_request(
+    client: Client, hosts: str, root: str
+) -> None:
+    producer = Client(hosts, root, session_timeout=2.0).start()
+    try:
+        job = producer.submit("nobody runs me")  # attached: its entry is ephemeral
+        lost = KazooClient(hosts=hosts)
+        lost.start()
+        # Expire the producer's session from outside (what a long network partition does).
+        session_id, password = producer.zk.client_id
+        ghost = KazooClient(hosts=hosts, client_id=(session_id, password))
+        ghost.start()
+        ghost.stop()
+        ghost.close()
+        lost.stop()
+        lost.close()
+        with pytest.raises(JobWithdrawn, match="resubmitting is safe") as caught:
+            job.result(timeout=20)
+        assert caught.value.exit_code == ExitCode.WITHDRAWN == 10
+        assert job.status() == "withdrawn"
+    finally:
+        producer.close()
+
+
+def test_status_after_a_caller_timeout_is_withdrawn(client: Client) -> None:
+    job = client.submit("no worker here")
+    with pytest.raises(Exception, match="no result"):
+        job.result(timeout=0.2)
+    assert job.status() == "withdrawn"
+
+
+def test_dead_letters_purge(client: Client, start_worker, zkq) -> None:
+    client.ensure_queue("default")
+    bucket = client.layout.bucket("default", "normal", 0)
+    for i in range(3):
+        client.zk.create(f"{bucket}/bad{i}-", b"not json", sequence=True)
+    start_worker()
+    wait_for(lambda: len(client.dead()) == 3, message="three letters")
+    out = zkq("dead", "purge", "--older-than", "3600")
+    assert out.returncode == 0 and "purged 0" in out.stdout
+    out = zkq("dead", "purge")
+    assert out.returncode == 0 and "purged 3" in out.stdout
+    assert client.dead() == []

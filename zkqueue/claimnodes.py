@@ -1,0 +1,66 @@
+"""A worker's own claim nodes outside the transitions: renewing leases (and streaming output),
+sweeping what a lost reply left behind, dropping a claim on an entry that is gone."""
+
+from __future__ import annotations
+
+import contextlib
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from zkqueue.layout import Layout, child
+from zkqueue.line import Line
+from zkqueue.nodes import own_untracked
+from zkqueue.records import Claim
+
+
+class ClaimNodes:
+    """Plain writes on one worker's claims (``zkqueue.claims.Claims`` adds the multis)."""
+
+    zk: KazooClient
+    layout: Layout
+    queue: str
+
+    def renew(self, claims: list[Claim]) -> list[Claim]:
+        """Renew the leases (a write bumps the claim's server-side mtime, which the janitor
+        reads). Returns the claims that are gone: reclaimed, or lost with the session."""
+        calls = [
+            (c, self.zk.set_async(self.layout.claim(self.queue, c.id), c.body.to_bytes()))
+            for c in claims
+        ]
+        lost = []
+        for claim, call in calls:
+            try:
+                call.get()
+            except NoNodeError:
+                lost.append(claim)
+        return lost
+
+    def set_partial(self, claim: Claim, text: str) -> None:
+        """Put a streaming job's output so far into its claim's data (written by the next
+        renew(), so every write also renews the lease)."""
+        claim.body.partial = text
+
+    def sweep(self, line: Line, held: set[str]) -> list[str]:
+        """Delete this session's claims on job ids not in ``held`` and its places in the line
+        other than ``line.node``: a claim or join that committed while its reply was lost with
+        the connection. Left alone, a place nobody holds heads the line and stalls the queue,
+        and a claim nobody runs holds its job until the lease runs out. Returns what went."""
+        claims = self.layout.claims(self.queue)
+        stray = [child(claims, n) for n in own_untracked(self.zk, claims, held)]
+        places = own_untracked(self.zk, line.directory, {line.node} if line.node else set())
+        stray += [child(line.directory, n) for n in places]
+        for path in stray:
+            with contextlib.suppress(NoNodeError):
+                self.zk.delete(path)
+        return stray
+
+    def drop(self, claim: Claim) -> None:
+        """Remove our claim on an entry that is gone (cancelled or withdrawn), if still ours."""
+        path = self.layout.claim(self.queue, claim.id)
+        try:
+            stat = self.zk.exists(path)
+            if stat is not None and stat.ephemeralOwner == self.zk.client_id[0]:
+                self.zk.delete(path, version=stat.version)
+        except NoNodeError:
+            pass

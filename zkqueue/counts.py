@@ -1,0 +1,97 @@
+"""Counting and paging without listing whole parents: depths from the child counts of pending
+buckets, results from the child counts of their hash buckets, entries in dispatch order bucket by
+bucket. Every reply stays far under ZooKeeper's 1 MB limit whatever the depth."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from zkqueue import defaults
+from zkqueue.errors import InvalidJob
+from zkqueue.layout import RESULT_BUCKETS, EntryName, Layout, parse_bucket
+
+
+def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[int]:
+    """A priority's bucket numbers in order (its child list: one name per ~1,000 entries)."""
+    try:
+        names = zk.get_children(layout.pending(queue, priority))
+    except NoNodeError:
+        return []
+    return sorted(b for n in names if (b := parse_bucket(n)) is not None)
+
+
+def bucket_counts(zk: KazooClient, layout: Layout, queue: str) -> dict[str, list[tuple[int, int]]]:
+    """Per priority, (bucket, entries in it) in order: one stat per bucket, pipelined."""
+    listed = {p: buckets(zk, layout, queue, p) for p in defaults.PRIORITIES}
+    calls = {
+        p: [(b, zk.exists_async(layout.bucket(queue, p, b))) for b in bs]
+        for p, bs in listed.items()
+    }
+    return {
+        p: [(b, s.numChildren if (s := c.get()) is not None else 0) for b, c in pairs]
+        for p, pairs in calls.items()
+    }
+
+
+def depth(zk: KazooClient, layout: Layout, queue: str) -> dict[str, int]:
+    """Entries per priority (running ones included)."""
+    return {p: sum(n for _, n in pairs) for p, pairs in bucket_counts(zk, layout, queue).items()}
+
+
+def results(zk: KazooClient, layout: Layout, queue: str) -> int:
+    """Stored results of a queue: the sum of its 256 hash buckets' child counts."""
+    calls = [zk.exists_async(layout.result_dir(queue, b)) for b in RESULT_BUCKETS]
+    return sum(s.numChildren for c in calls if (s := c.get()) is not None)
+
+
+def children(zk: KazooClient, path: str) -> int:
+    stat = zk.exists(path)
+    return stat.numChildren if stat is not None else 0
+
+
+def bucket_entries(
+    zk: KazooClient, layout: Layout, queue: str, priority: str, bucket: int
+) -> list[EntryName]:
+    """One bucket's parseable entries in order."""
+    try:
+        names = zk.get_children(layout.bucket(queue, priority, bucket))
+    except NoNodeError:
+        return []
+    parsed = []
+    for leaf in names:
+        try:
+            parsed.append(EntryName.parse_leaf(leaf, bucket))
+        except InvalidJob:
+            continue
+    return sorted(parsed, key=lambda e: e.order)
+
+
+def in_order(zk: KazooClient, layout: Layout, queue: str) -> Iterator[tuple[str, EntryName]]:
+    """Every entry of a queue in dispatch order, listing one bucket at a time (lazily)."""
+    for priority in defaults.PRIORITIES:
+        for bucket in buckets(zk, layout, queue, priority):
+            for entry in bucket_entries(zk, layout, queue, priority, bucket):
+                yield priority, entry
+
+
+def find(zk: KazooClient, layout: Layout, queue: str, priority: str, job_id: str) -> str | None:
+    """The entry name of a job id in one priority: its buckets are listed newest first,
+    pipelined a few at a time (a lost reply's entry is in the tail)."""
+    prefix = f"{job_id}-"
+    numbers = buckets(zk, layout, queue, priority)[::-1]
+    for start in range(0, len(numbers), 16):
+        calls = [
+            (b, zk.get_children_async(layout.bucket(queue, priority, b)))
+            for b in numbers[start : start + 16]
+        ]
+        for bucket, call in calls:
+            try:
+                leaf = next((n for n in call.get() if n.startswith(prefix)), None)
+            except NoNodeError:
+                continue
+            if leaf is not None:
+                return f"{bucket:010d}/{leaf}"
+    return None
