@@ -33,8 +33,6 @@ log = logging.getLogger("zkq.worker")
 
 #: Entries the head reads in one turn at most: keeps the serial part of dispatch short.
 _SCAN_LIMIT = 64
-#: Candidates read ahead of the refresh beyond the free slots.
-_PREFETCH_EXTRA = 4
 
 
 @dataclass
@@ -59,6 +57,9 @@ class HeadTurn:
     stats: HeadStats = field(default_factory=HeadStats)
     #: Entries this turn found gone (the view's listing was stale).
     _gone: int = 0
+    #: Whether the view's first candidates were still current at the last turn: then read
+    #: them in the refresh's round trip.
+    _prefetch: bool = False
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
 
@@ -71,14 +72,19 @@ class HeadTurn:
         """Claim up to ``free`` admissible entries not in ``exclude``. Returns each claim with the
         KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
         for us), or None if a race was lost."""
-        # The first candidates the view already knows are read in the same round trip as the
-        # refresh: in the steady state a turn is that one read and the claim multi. A few more
-        # than the free slots: entries other workers finished since are found gone here.
-        known = islice(self.view.candidates(exclude), min(free + _PREFETCH_EXTRA, _SCAN_LIMIT))
-        reads = self._read(list(known))
+        # The refresh re-lists the buckets the first candidates come from. When the view was
+        # current at the last turn (this worker stays head: nobody claimed in between), those
+        # candidates are read in the same round trip and a turn is that one read and the claim
+        # multi; otherwise (other heads claimed meanwhile) they are read after it, so no read
+        # is spent on entries other workers took.
+        known = list(islice(self.view.candidates(exclude), min(free, _SCAN_LIMIT)))
+        reads = self._read(known) if self._prefetch else {}
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
         # every claim there is (only the head claims).
         self.view.refresh(free, frozenset(exclude))
+        self._prefetch = bool(known) and known == list(
+            islice(self.view.candidates(exclude), len(known))
+        )
         self._letter_malformed()
         self._gone = 0
         cap = self.cap.value

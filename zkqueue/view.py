@@ -91,7 +91,7 @@ class PendingView:
         any priority short of candidates; and when fewer than ``want`` candidates remain, list
         the bucket names and tails again with watches, to hear of arrivals."""
         dirty, self._dirty = self._dirty, set()
-        self._read(dirty | {CLAIMS} | self._tails_above(exclude))
+        self._read(dirty | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude))
         for _ in range(8):
             more, self._dirty = self._short() | self._dirty, set()
             if not more:
@@ -99,6 +99,13 @@ class PendingView:
             self._read(more)
         if len(list(islice(self.candidates(set(exclude)), want))) < want:
             self._read(self._wanted() - self.armed, arm=True)
+
+    def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
+        """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
+        (one bucket, at most ~1,000 names), since other workers' completions are not watched
+        and their entries would otherwise be read as candidates and found gone."""
+        first = islice(self.candidates(set(exclude)), want)
+        return {(p, e.bucket) for p, e in first} - self.armed
 
     def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
         """The listed tail buckets of the priorities ranked above the best candidate's."""

@@ -4,8 +4,9 @@ latency, the process's RSS, errors, lost and duplicated jobs.
 Producers submit at ``rate`` jobs/s (one thread per in-flight job, each waiting for its result);
 two 4-slot echo workers run them; a janitor service (its own session, a pass every 2 s, results
 kept 60 s so that expiry works during the run) runs beside them. p99 of the first and of the
-last fifth of the run are compared. Workers, janitor and producers share this process, so its
-RSS is everyone's. ``ZKQ_SOAK_SECONDS`` sets the duration (300 s by default, 60 s with --quick).
+last window (a fifth of the run, at most 5 minutes) are compared. Workers, janitor and producers
+share this process, so its RSS is everyone's; the ZooKeeper server's RSS is sampled beside it.
+``ZKQ_SOAK_SECONDS`` sets the duration (300 s by default, 60 s with --quick).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
     ids: list[str] = []
     lock = threading.Lock()
     rss: list[tuple[float, int]] = []
+    server_rss: list[tuple[float, int]] = []
 
     def one(i: int) -> None:
         start = time.perf_counter()
@@ -75,15 +77,16 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
             if i % int(rate * 10) == 0:
                 gc.collect()
                 rss.append((time.perf_counter() - began, rss_kib()))
+                server_rss.append((time.perf_counter() - began, _server_rss(bench)))
     submitted = i
     janitor.stop()
     completed = sum(w.stats.completed for w in fleet.workers)
     fleet.stop()
     stored = client.stats()["queues"][QUEUE]["results"]
     client.close()
-    fifth = seconds / 5
-    first = [lat for at, lat in done if at - began < fifth]
-    last = [lat for at, lat in done if at - began >= seconds - fifth]
+    window = min(seconds / 5, 300.0)
+    first = [lat for at, lat in done if at - began < window]
+    last = [lat for at, lat in done if at - began >= seconds - window]
     row = {
         "seconds": seconds,
         "rate": rate,
@@ -96,7 +99,9 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
         "p99_first_ms": _p99(first) * 1000,
         "p99_last_ms": _p99(last) * 1000,
         "p50_ms": statistics.median(lat for _, lat in done) * 1000 if done else None,
+        "window_s": window,
         "rss_kib": rss,
+        "server_rss_kib": server_rss,
         "janitor_passes": janitor.passes,
         "results_left": stored,
     }
@@ -105,10 +110,22 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
         f"  soak {seconds:.0f} s at {rate:g}/s: {submitted} submitted, {len(done)} answered, "
         f"{len(errors)} errors, p99 first {row['p99_first_ms']:.1f} ms / last "
         f"{row['p99_last_ms']:.1f} ms ({row['p99_ratio']:.2f}x), RSS "
-        f"{rss[0][1] if rss else 0} -> {rss[-1][1] if rss else 0} KiB, "
+        f"{rss[0][1] if rss else 0} -> {rss[-1][1] if rss else 0} KiB (ZooKeeper "
+        f"{server_rss[0][1] if server_rss else 0} -> {server_rss[-1][1] if server_rss else 0}), "
         f"{janitor.passes} janitor passes"
     )
     return row
+
+
+def _server_rss(bench: Bench) -> int:
+    process = bench.cluster.servers[0].process
+    if process is None:
+        return 0
+    try:
+        with open(f"/proc/{process.pid}/status") as f:
+            return next((int(x.split()[1]) for x in f if x.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
 
 
 def _p99(values: list[float]) -> float:
