@@ -20,6 +20,7 @@ from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.exporter import ClusterCollector, collect_once, read_cluster, serve_cluster_metrics
+from zkqueue.janitor import PassReport
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -308,3 +309,11 @@ def generate(collector: ClusterCollector) -> str:
     registry = CollectorRegistry()
     registry.register(collector)
     return generate_latest(registry).decode()
+
+
+def test_the_elected_janitor_sets_the_stored_results_gauges() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    metrics.janitor_pass(PassReport(results_stored={"llama": 7}, results_bytes={"llama": 2048}))
+    assert registry.get_sample_value("zkq_results_stored", {"queue": "llama"}) == 7
+    assert registry.get_sample_value("zkq_results_stored_bytes", {"queue": "llama"}) == 2048

@@ -143,6 +143,19 @@ def test_cancelled_running_job_says_where_it_ran(client: Client, start_worker) -
     assert record.started_at is not None and "while running on w9" in (record.error or "")
 
 
+def test_janitor_keeps_the_bound_it_is_given(zkq, client: Client, start_worker) -> None:
+    start_worker(EchoRunner(), slots=4)
+    for job in client.submit_many([f"r{i}" for i in range(12)]):
+        job.result(timeout=10)
+    out = zkq("janitor", "--once", "--json", "--max-results", "5")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["results_removed"], report["results_stored"]) == (7, {"default": 5})
+    assert client.stats()["queues"]["default"]["results"] == 5
+    bad = zkq("janitor", "--once", "--max-results", "0")
+    assert bad.returncode == ExitCode.USAGE and "--max-results" in bad.stderr
+
+
 def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:
     client.ensure_queue("default")
     out = zkq("janitor", "--once")

@@ -109,6 +109,19 @@ from zkqueue.layout import check_queue, check_worker_name
     help="Seconds finished results are kept (by the janitor).",
 )
 @click.option(
+    "--max-results",
+    type=COUNT,
+    default=defaults.MAX_RESULTS,
+    show_default=True,
+    help="Results a queue keeps at most (the oldest are expired first).",
+)
+@click.option(
+    "--max-result-bytes",
+    type=SIZE,
+    default=defaults.MAX_RESULT_STORE_BYTES,
+    help="Bytes of result records a queue keeps at most [default: 256MiB].",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(1, 65535),
     default=None,
@@ -163,12 +176,31 @@ def _worker_log_level(ctx: click.Context, quiet: bool) -> None:
     show_default=True,
     help="Seconds finished results are kept.",
 )
+@click.option(
+    "--max-results",
+    type=COUNT,
+    default=defaults.MAX_RESULTS,
+    show_default=True,
+    help="Results a queue keeps at most (the oldest are expired first).",
+)
+@click.option(
+    "--max-result-bytes",
+    type=SIZE,
+    default=defaults.MAX_RESULT_STORE_BYTES,
+    help="Bytes of result records a queue keeps at most [default: 256MiB].",
+)
 @click.option("--once", is_flag=True, help="Run one pass now, print what it did, and exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the pass as JSON.")
 @click.pass_context
 @handles_errors
 def janitor(
-    ctx: click.Context, interval: float, result_ttl: float, once: bool, as_json: bool
+    ctx: click.Context,
+    interval: float,
+    result_ttl: float,
+    max_results: int,
+    max_result_bytes: int,
+    once: bool,
+    as_json: bool,
 ) -> None:
     """Run the janitor (expired leases, queue deadlines, old results) for deployments without
     workers running it; several may run, one is elected.
@@ -179,16 +211,18 @@ def janitor(
       zkq janitor --interval 5 &         # the elected janitor until SIGTERM
     """
     from workers.daemon import janitor_pass, run_janitor
+    from zkqueue.expiry import ExpiryLimits
 
     if as_json and not once:
         raise click.UsageError("--json applies only with --once")
-    settings = connection_settings(ctx)
+    settings, root = connection_settings(ctx), ctx.obj["root"]
+    limits = ExpiryLimits(max_results=max_results, max_bytes=max_result_bytes)
     if once:
-        report = janitor_pass(settings, ctx.obj["root"], result_ttl=result_ttl)
+        report = janitor_pass(settings, root, result_ttl=result_ttl, limits=limits)
         click.echo(json.dumps(report) if as_json else _janitor_summary(report))
         return
     _worker_log_level(ctx, quiet=False)
-    sys.exit(run_janitor(settings, ctx.obj["root"], interval=interval, result_ttl=result_ttl))
+    sys.exit(run_janitor(settings, root, interval=interval, result_ttl=result_ttl, limits=limits))
 
 
 def _janitor_summary(report: dict[str, Any]) -> str:

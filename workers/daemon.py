@@ -23,6 +23,7 @@ from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.errors import ConfigurationError
+from zkqueue.expiry import ExpiryLimits
 from zkqueue.janitor import Janitor, JanitorService
 from zkqueue.layout import Layout
 
@@ -94,7 +95,7 @@ def _serve(
             _cache_text(admission),
         )
 
-    janitor = _start_janitor(settings, opts.root, worker.id, opts)
+    janitor = _start_janitor(settings, opts.root, worker.id, opts, metrics)
     try:
         worker.run(on_ready=ready)
     finally:
@@ -105,9 +106,14 @@ def _serve(
 
 
 def _start_janitor(
-    settings: ConnectionSettings, root: str, member_id: str, opts: WorkerOptions
+    settings: ConnectionSettings,
+    root: str,
+    member_id: str,
+    opts: WorkerOptions,
+    metrics: WorkerMetrics,
 ) -> JanitorService | None:
-    """The janitor on a session and thread of its own: it cannot slow this worker's dispatch."""
+    """The janitor on a session and thread of its own: it cannot slow this worker's dispatch.
+    While elected it sets the stored-results gauges after each pass."""
     if not opts.janitor:
         return None
     return JanitorService(
@@ -117,28 +123,42 @@ def _start_janitor(
         interval=opts.janitor_interval,
         result_ttl=opts.result_ttl,
         settings=settings,
+        limits=ExpiryLimits(max_results=opts.max_results, max_bytes=opts.max_result_bytes),
+        on_pass=metrics.janitor_pass,
     ).start()
 
 
-def janitor_pass(settings: ConnectionSettings, root: str, *, result_ttl: float) -> dict[str, Any]:
+def janitor_pass(
+    settings: ConnectionSettings, root: str, *, result_ttl: float, limits: ExpiryLimits
+) -> dict[str, Any]:
     """``zkq janitor --once``: one pass now; what it did, as plain data."""
     zk = connect(settings)
     try:
         with mapped_errors(settings.hosts):
-            report = Janitor(zk, Layout(root), result_ttl=result_ttl).run_pass()
+            report = Janitor(zk, Layout(root), result_ttl=result_ttl, limits=limits).run_pass()
         return asdict(report)
     finally:
         close(zk)
 
 
 def run_janitor(
-    settings: ConnectionSettings, root: str, *, interval: float, result_ttl: float
+    settings: ConnectionSettings,
+    root: str,
+    *,
+    interval: float,
+    result_ttl: float,
+    limits: ExpiryLimits,
 ) -> int:
     """``zkq janitor``: the elected janitor until SIGTERM/SIGINT."""
     zk = connect(settings)
     try:
         service = JanitorService(
-            zk, Layout(root), default_worker_id(), interval=interval, result_ttl=result_ttl
+            zk,
+            Layout(root),
+            default_worker_id(),
+            interval=interval,
+            result_ttl=result_ttl,
+            limits=limits,
         )
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

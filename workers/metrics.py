@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from zkqueue import defaults
 from zkqueue import result as results
+from zkqueue.janitor import PassReport
 
 #: Seconds a job waited in the queue: a fraction of a second when workers are idle, up to hours
 #: in a backlog.
@@ -97,6 +98,18 @@ class WorkerMetrics:
             ["state"],
             registry=reg,
         )
+        self.results_stored = Gauge(
+            "zkq_results_stored",
+            "Results a queue stores (set by the elected janitor after each pass).",
+            ["queue"],
+            registry=reg,
+        )
+        self.results_bytes = Gauge(
+            "zkq_results_stored_bytes",
+            "Estimated bytes of a queue's stored result records (set by the elected janitor).",
+            ["queue"],
+            registry=reg,
+        )
         self._queues: set[str] = set()
         self.connection("LOST")
 
@@ -158,6 +171,12 @@ class WorkerMetrics:
             self.state.labels(known).set(1 if known == state else 0)
 
     # -- exposing ----------------------------------------------------------------------------
+
+    def janitor_pass(self, report: PassReport) -> None:
+        """The stored results per queue after a janitor pass (compare with the bounds)."""
+        for queue, stored in report.results_stored.items():
+            self.results_stored.labels(queue).set(stored)
+            self.results_bytes.labels(queue).set(report.results_bytes.get(queue, 0))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
         """Serve /metrics on ``addr:port`` from a daemon thread (port 0: any free port, read it

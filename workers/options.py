@@ -59,6 +59,9 @@ class WorkerOptions:
     janitor: bool = True
     janitor_interval: float = defaults.JANITOR_INTERVAL
     result_ttl: float = defaults.RESULT_TTL
+    #: Per-queue bounds on stored results (count, bytes of records) the janitor keeps.
+    max_results: int = defaults.MAX_RESULTS
+    max_result_bytes: int = defaults.MAX_RESULT_STORE_BYTES
     #: Serve Prometheus metrics on this port (none: no HTTP server).
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
@@ -81,7 +84,13 @@ class WorkerOptions:
             raise ConfigurationError(f"drain_timeout must not be negative: {self.drain_timeout}")
 
 
-_AT_LEAST_ONE = {"max_concurrency": 1, "max_jobs": 1, "max_attempts": 1}
+_AT_LEAST_ONE = {
+    "max_concurrency": 1,
+    "max_jobs": 1,
+    "max_attempts": 1,
+    "max_results": 1,
+    "max_result_bytes": 1,
+}
 _POSITIVE = ("heartbeat_interval", "lease", "janitor_interval", "result_ttl", "max_runtime")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kazoo.client import KazooClient
@@ -245,6 +246,7 @@ class JanitorService:
         result_ttl: float = defaults.RESULT_TTL,
         settings: ConnectionSettings | None = None,
         limits: ExpiryLimits | None = None,
+        on_pass: Callable[[PassReport], None] | None = None,
     ) -> None:
         self._owns = zk is None
         if zk is None:
@@ -257,6 +259,8 @@ class JanitorService:
         self.zk = zk
         self.layout = layout
         self.interval = interval
+        #: Called with each pass's report (the worker's stored-results gauges).
+        self.on_pass = on_pass
         self.passes = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -299,8 +303,10 @@ class JanitorService:
             if not self._line.joined:
                 self._line.join()
             if self._line.is_head():
-                self.janitor.run_pass()
+                report = self.janitor.run_pass()
                 self.passes += 1
+                if self.on_pass is not None:
+                    self.on_pass(report)
         except TRANSIENT as exc:
             # Our line node (if the session survived) is still ours: is_head() finds out. A join
             # whose reply was lost may have left a second node: the next turn sweeps it.

@@ -9,8 +9,9 @@ entries are dropped when a read finds them gone. Empty buckets before the tail a
 
 Watches are set only when the head runs short of candidates (it is waiting for arrivals): then
 on the bucket names and the tail bucket of each priority. A busy head sets none, so completions
-notify nobody; it re-lists (unwatched) only the tail buckets of priorities above its best
-candidate, so a more urgent arrival is never passed over."""
+notify nobody; each turn it re-lists (unwatched) the bucket its first candidates come from (other
+workers' completions would otherwise be read as candidates and found gone) and the tail buckets
+of priorities above its best candidate, so a more urgent arrival is never passed over."""
 
 from __future__ import annotations
 
