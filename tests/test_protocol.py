@@ -11,6 +11,7 @@ from kazoo.client import KazooClient
 
 from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
+from workers.runners.echo import EchoRunner
 from zkqueue import Client, defaults
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import ExitCode, JobWithdrawn, ProtocolMismatch
@@ -84,6 +85,19 @@ def test_a_version_1_root_is_refused_then_migrated(
         "v1 1",
         "v1 2",
     ]
+
+
+def test_urgent_jobs_in_new_buckets_pass_a_busy_backlog(client: Client, start_worker) -> None:
+    client._enqueue = Enqueuer(client, bucket_size=2)
+    backlog = client.submit_many([f"normal {i}" for i in range(30)])
+    start_worker(EchoRunner(delay=0.05))
+    wait_for(lambda: client.stats()["queues"]["default"]["results"] >= 2, message="worker busy")
+    # Five high jobs fill three high buckets while the head still has normal candidates.
+    urgent = [client.submit(f"high {i}", priority="high", detach=True) for i in range(5)]
+    started = {r.id: r.started_at or 0 for r in (j.result(timeout=30) for j in urgent + backlog)}
+    last_urgent = max(started[j.id] for j in urgent)
+    after = [j.id for j in backlog if started[j.id] > last_urgent]
+    assert len(after) >= 10, f"only {len(after)} normal jobs ran after the last high one"
 
 
 def test_results_expire_through_the_index_with_a_bound(

@@ -172,7 +172,10 @@ class Completer:
         if not ok:
             self.stats.fenced += 1
             self.metrics.claim_lost("fenced")
-            self.claims.release(claim)
+            # The entry may be pending again (a reclaimed lease): keep it in the head's view.
+            job.cancel_reason = CancelReason.FENCED
+            if not self.claims.release(claim):
+                self.claims.drop(claim)  # the entry is gone (cancelled meanwhile): our claim too
             return
         self.stats.completed += 1
         self.stats.failed += outcome.status != Status.SUCCEEDED

@@ -90,6 +90,10 @@ class HeadTurn:
         cap = self.cap.value
         want = free if cap is None else min(free, cap - len(self.view.claimed))
         self.capped = want < free
+        if self.capped:
+            self.view.arm_claims()  # hear a claim end: it frees a slot under the cap
+        else:
+            self.view.watch_claims = False
         if want <= 0:
             return []
         picked = self._pick(want, exclude, reads)
@@ -106,7 +110,7 @@ class HeadTurn:
         if not rejoin:
             self.view.unwatch()  # out of the line: the next head watches, not us
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
-        # a release or crash makes them claimable again and only the claims watch will say so.
+        # a release or crash makes them claimable again (the next turn's claims listing says so).
         self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
 

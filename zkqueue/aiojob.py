@@ -178,6 +178,8 @@ class AsyncJob(JobPaths):
         if not isinstance(got, BaseException):
             if done[at - 1] is not None:  # the watch went onto the existing result: take it back
                 remove_data_watch(zk, self.result_path, watch)
+            if claim is not None:  # and the one on the claim (gone with the job)
+                remove_data_watch(zk, claim, watch)
             self._result_size = len(got[0])
             what = f"result of job {self.id} ({self.result_path})"
             return Result.from_bytes(got[0], what), None
@@ -229,10 +231,19 @@ class AsyncJob(JobPaths):
     def abandon(self) -> None:
         """Withdraw the submitter's attached, unfinished request without waiting: the delete
         is sent at once (safe in ``finally`` and on cancellation). Other handles: no-op."""
+        if self.record is None:
+            self._drop_watches()
         if self.owned and not self.detach and self.record is None and self.entry_path:
             # A closed client's session took its attached entries with it.
             with contextlib.suppress(ZkqConnectionError):
                 self.client.zk.delete_async(self.entry_path)
+
+    def _drop_watches(self) -> None:
+        """Take back the watches a wait that gave up left on the result and the claim."""
+        if self.client.connected:
+            for path in (self.result_path, self.claim_path):
+                if path is not None:
+                    remove_data_watch(self.client.zk, path, self._watch)
 
     async def withdraw(self) -> None:
         """Delete the entry without a result: the caller no longer wants the answer."""
@@ -254,8 +265,16 @@ class AsyncJob(JobPaths):
                 return False
             await _settled(self.client.wait(claim_call))
             running = ClaimBody.from_call(claim_call)
-            call = claims.cancel_async(
-                zk, layout, self.queue, self.priority, self.entry, found[1], running
+            # On a pool thread: the multi may first create its expiry tick (a blocking call).
+            call = await asyncio.to_thread(
+                claims.cancel_async,
+                zk,
+                layout,
+                self.queue,
+                self.priority,
+                self.entry,
+                found[1],
+                running,
             )
             return not claims.transaction_failed(await self.client.wait(call))
 

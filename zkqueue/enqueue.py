@@ -83,17 +83,19 @@ class Enqueuer:
         return self.client.find_entry(queue, priority, job_id)
 
     def tail(self, queue: str, priority: str) -> tuple[int, int]:
-        key = (queue, priority)
-        if key not in self._tails:
-            self._tails[key] = read_tail(self._zk(), self.layout, queue, priority)
-        return self._tails[key]
+        """The tail bucket and the priority node's version as last read (safe from several
+        threads: the asyncio client enqueues on pool threads)."""
+        found = self._tails.get((queue, priority))
+        if found is None:
+            found = read_tail(self._zk(), self.layout, queue, priority)
+            self._tails[(queue, priority)] = found
+        return found
 
     def _send(self, chunk: list[Prepared], ephemeral: bool) -> Any:
-        keys = sorted({(q, p) for _, q, p, _ in chunk})
-        checks = [(self.layout.pending(q, p), self.tail(q, p)[1]) for q, p in keys]
+        tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
+        checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in sorted(tails)]
         entries = [
-            (self.layout.entry_prefix(q, p, jid, self.tail(q, p)[0]), data)
-            for jid, q, p, data in chunk
+            (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
         ]
         return len(checks), claims.enqueue_async(self._zk(), checks, entries, ephemeral)
 

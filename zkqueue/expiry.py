@@ -16,6 +16,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 
 from zkqueue import counts, defaults
+from zkqueue.errors import ConfigurationError
 from zkqueue.layout import Layout, child, parse_index_name
 
 log = logging.getLogger("zkq.janitor")
@@ -32,6 +33,11 @@ class ExpiryLimits:
     max_dead: int = defaults.MAX_DEAD
     page: int = defaults.JANITOR_PAGE
     in_flight: int = defaults.JANITOR_IN_FLIGHT
+
+    def __post_init__(self) -> None:
+        for name in ("max_results", "max_bytes", "max_dead", "page", "in_flight"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name} must be at least 1, not {getattr(self, name)}")
 
 
 class Expiry:

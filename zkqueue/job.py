@@ -115,6 +115,9 @@ class Job(JobPaths):
         self._withdrawn = False
         self._result = result
         self._result_size = 0
+        #: Set by this handle's one watch callable (kazoo keeps watchers in sets: re-arming the
+        #: same callable never stacks, and it can be taken back when the wait ends).
+        self._fired = threading.Event()
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -136,6 +139,7 @@ class Job(JobPaths):
         with self.client.mapped():
             found = self._wait_result(deadline)
         if found is None:
+            self._drop_watches()
             if self.owned and not self.detach:
                 self.withdraw()
             raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
@@ -149,9 +153,9 @@ class Job(JobPaths):
         deadline = None if timeout is None else time.monotonic() + timeout
         sent = ""
         while self._result is None:
-            fired = threading.Event()
+            self._fired.clear()
             with self.client.mapped():
-                found = self._look_stream(_setter(fired), _bound(deadline))
+                found = self._look_stream(self._on_watch, _bound(deadline))
             text, record = found
             if record is not None:
                 self._accept(record)
@@ -163,10 +167,13 @@ class Job(JobPaths):
                 return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                self._drop_watches()
                 if self.owned and not self.detach:
                     self.withdraw()
                 raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
-            fired.wait(_RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS))
+            self._fired.wait(
+                _RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS)
+            )
 
     def _look_stream(self, watch: Any, timeout: float | None) -> tuple[str, Result | None]:
         """The partial output in the claim (watched), or the result if the job ended."""
@@ -225,9 +232,9 @@ class Job(JobPaths):
     def _wait_result(self, deadline: float | None) -> Result | None:
         """Wait for the result; a connection lost meanwhile is waited out (kazoo reconnects)."""
         while True:
-            fired = threading.Event()
+            self._fired.clear()
             try:
-                found = self._look(_setter(fired), _bound(deadline))
+                found = self._look(self._on_watch, _bound(deadline))
                 recheck = _RECHECK_SECONDS
             except _AWAY:
                 found, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait, within deadline
@@ -236,7 +243,19 @@ class Job(JobPaths):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
-            fired.wait(recheck if remaining is None else min(remaining, recheck))
+            self._fired.wait(recheck if remaining is None else min(remaining, recheck))
+
+    def _on_watch(self, _event: object) -> None:
+        self._fired.set()
+
+    def _drop_watches(self) -> None:
+        """Take back the watches a wait that gave up left on the result and the claim (they
+        would otherwise stay until those nodes change, one per abandoned job)."""
+        zk = self.client.zk
+        if zk.connected:
+            for path in (self.result_path, self.claim_path):
+                if path is not None:
+                    remove_data_watch(zk, path, self._on_watch)
 
     def _look(self, watch: Any, timeout: float | None = None) -> Result | None:
         """The result if there is one. ``timeout`` bounds each read: a request made while
@@ -354,10 +373,3 @@ def _bound(deadline: float | None) -> float | None:
     if deadline is None:
         return None
     return max(deadline - time.monotonic(), 0.05)
-
-
-def _setter(event: threading.Event) -> Any:
-    def watch(_event: object) -> None:
-        event.set()
-
-    return watch

@@ -48,8 +48,9 @@ class _Watch:
     view: PendingView
 
     def __call__(self, event: WatchedEvent) -> None:
+        # Runs on kazoo's thread: only count and post; the loop's thread calls invalidate(),
+        # which marks the part unwatched (the view's sets are the loop thread's alone).
         self.view.events += 1
-        self.view.armed.discard(self.part)
         self.view.on_change(self.part)
 
 
@@ -72,6 +73,8 @@ class PendingView:
     listings: int = 0
     #: Parts with a child watch set on the server.
     armed: set[Any] = field(default_factory=set)
+    #: Watch claims/ too (the head is capped by max_running: a claim ending frees a slot).
+    watch_claims: bool = False
 
     def __post_init__(self) -> None:
         self._dirty: set[Part] = {*defaults.PRIORITIES, CLAIMS}
@@ -82,8 +85,10 @@ class PendingView:
         """Mark one part, or everything, to be re-read."""
         if part is None:
             self._dirty = {*defaults.PRIORITIES, CLAIMS, *self.listed}
+            self.armed.clear()
         else:
             self._dirty.add(part)
+            self.armed.discard(part)
 
     def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
         """Re-list what changed since the last refresh, the claims (never watched: a job's
@@ -92,14 +97,20 @@ class PendingView:
         any priority short of candidates; and when fewer than ``want`` candidates remain, list
         the bucket names and tails again with watches, to hear of arrivals."""
         dirty, self._dirty = self._dirty, set()
-        self._read(dirty | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude))
+        # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
+        # tails of the priorities above the best candidate are always the current ones.
+        names = {p for p in defaults.PRIORITIES if p not in self.armed}
+        arm = names | ({CLAIMS} if self.watch_claims else set())
+        parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
+        self._read(parts, arm)
         for _ in range(8):
             more, self._dirty = self._short() | self._dirty, set()
             if not more:
                 break
             self._read(more)
         if len(list(islice(self.candidates(set(exclude)), want))) < want:
-            self._read(self._wanted() - self.armed, arm=True)
+            waiting = self._wanted() - self.armed
+            self._read(waiting, waiting)
 
     def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
         """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
@@ -139,7 +150,8 @@ class PendingView:
         it set, so later arrivals and completions notify the new head only (the bucket names'
         watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
         time."""
-        for part in [p for p in self.armed if not isinstance(p, str)]:
+        self.watch_claims = False
+        for part in [p for p in self.armed if not isinstance(p, str) or p == CLAIMS]:
             watch = self._watches.get(part)
             if watch is not None:
                 remove_child_watch(self.zk, self._path(part), watch)
@@ -152,15 +164,21 @@ class PendingView:
         if entry in entries:
             entries.remove(entry)
 
-    def _read(self, parts: set[Part], arm: bool = False) -> None:
+    def arm_claims(self) -> None:
+        """Watch claims/ from now on (set now: the turn's refresh already listed it)."""
+        if not self.watch_claims:
+            self.watch_claims = True
+            self._read({CLAIMS}, {CLAIMS})
+
+    def _read(self, parts: set[Part], arm: frozenset[Part] | set[Part] = frozenset()) -> None:
+        """List ``parts`` (pipelined: one round trip), with a child watch on those in ``arm``."""
+        self.armed |= arm & parts
         calls = {
             part: self.zk.get_children_async(
-                self._path(part), watch=self._watch(part) if arm else None
+                self._path(part), watch=self._watch(part) if part in arm else None
             )
             for part in parts
         }
-        if arm:
-            self.armed |= set(parts)
         self.listings += len(calls)
         for part, call in calls.items():
             try:
