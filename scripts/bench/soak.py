@@ -16,6 +16,7 @@ import os
 import statistics
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -45,9 +46,10 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
         result_ttl=60.0,
         settings=replace(client.settings, hosts=bench.hosts),
     ).start()
-    done: list[tuple[float, float]] = []
+    # Compact per-job bookkeeping (two doubles a job): the process's RSS is the system's, and a
+    # list of tuples would itself grow by ~200 bytes a job.
+    starts, latencies = array("d"), array("d")
     errors: list[str] = []
-    ids: list[str] = []
     lock = threading.Lock()
     rss: list[tuple[float, int]] = []
     server_rss: list[tuple[float, int]] = []
@@ -56,11 +58,10 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
         start = time.perf_counter()
         try:
             job = client.submit(f"soak {i}", queue=QUEUE)
-            with lock:
-                ids.append(job.id)
             job.result(timeout=60)
             with lock:
-                done.append((start, time.perf_counter() - start))
+                starts.append(start)
+                latencies.append(time.perf_counter() - start)
         except Exception as exc:  # every failure counts, none stops the run
             with lock:
                 errors.append(f"{type(exc).__name__}: {exc}")
@@ -85,6 +86,7 @@ def run_soak(bench: Bench, log: Log) -> dict[str, Any]:
     stored = client.stats()["queues"][QUEUE]["results"]
     client.close()
     window = min(seconds / 5, 300.0)
+    done = list(zip(starts, latencies, strict=True))
     first = [lat for at, lat in done if at - began < window]
     last = [lat for at, lat in done if at - began >= seconds - window]
     row = {
