@@ -209,9 +209,11 @@ def test_worker_serves_prometheus_metrics(spawn_worker, client: Client) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             return str(r.read().decode())
 
+    # The caller can read the result before the worker's thread has counted it: wait for both.
+    counted = 'zkq_jobs_total{priority="high",queue="default",status="succeeded"} 1.0'
     text = wait_for(
-        lambda: 'slots{state="max"} 1.0' in (t := scrape()) and t, message="metrics updated"
+        lambda: 'slots{state="max"} 1.0' in (t := scrape()) and counted in t and t,
+        message="metrics updated",
     )
-    assert 'zkq_jobs_total{priority="high",queue="default",status="succeeded"} 1.0' in text
     assert 'zkq_run_seconds_count{priority="high",queue="default"} 1.0' in text
     assert "zkq_zookeeper_connected 1.0" in text
