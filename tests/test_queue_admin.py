@@ -154,6 +154,9 @@ def test_janitor_keeps_the_bound_it_is_given(zkq, client: Client, start_worker) 
     assert client.stats()["queues"]["default"]["results"] == 5
     bad = zkq("janitor", "--once", "--max-results", "0")
     assert bad.returncode == ExitCode.USAGE and "--max-results" in bad.stderr
+    bad = zkq("janitor", "--once", "--max-result-bytes", "0")
+    assert bad.returncode == ExitCode.CONFIG and "max_bytes must be at least 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:

@@ -15,6 +15,21 @@ from zkqueue import defaults
 from zkqueue.cli.common import COUNT, SECONDS, SIZE, checked, connection_settings, handles_errors
 from zkqueue.layout import check_queue, check_worker_name
 
+#: The stored-results bounds, shared by ``zkq worker`` and ``zkq janitor``.
+_MAX_RESULTS = click.option(
+    "--max-results",
+    type=COUNT,
+    default=defaults.MAX_RESULTS,
+    show_default=True,
+    help="Results a queue keeps at most (the oldest are expired first).",
+)
+_MAX_RESULT_BYTES = click.option(
+    "--max-result-bytes",
+    type=SIZE,
+    default=defaults.MAX_RESULT_STORE_BYTES,
+    help="Bytes of result records a queue keeps at most [default: 256MiB].",
+)
+
 
 @click.command()
 @click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
@@ -108,19 +123,8 @@ from zkqueue.layout import check_queue, check_worker_name
     show_default=True,
     help="Seconds finished results are kept (by the janitor).",
 )
-@click.option(
-    "--max-results",
-    type=COUNT,
-    default=defaults.MAX_RESULTS,
-    show_default=True,
-    help="Results a queue keeps at most (the oldest are expired first).",
-)
-@click.option(
-    "--max-result-bytes",
-    type=SIZE,
-    default=defaults.MAX_RESULT_STORE_BYTES,
-    help="Bytes of result records a queue keeps at most [default: 256MiB].",
-)
+@_MAX_RESULTS
+@_MAX_RESULT_BYTES
 @click.option(
     "--metrics-port",
     type=click.IntRange(1, 65535),
@@ -176,19 +180,8 @@ def _worker_log_level(ctx: click.Context, quiet: bool) -> None:
     show_default=True,
     help="Seconds finished results are kept.",
 )
-@click.option(
-    "--max-results",
-    type=COUNT,
-    default=defaults.MAX_RESULTS,
-    show_default=True,
-    help="Results a queue keeps at most (the oldest are expired first).",
-)
-@click.option(
-    "--max-result-bytes",
-    type=SIZE,
-    default=defaults.MAX_RESULT_STORE_BYTES,
-    help="Bytes of result records a queue keeps at most [default: 256MiB].",
-)
+@_MAX_RESULTS
+@_MAX_RESULT_BYTES
 @click.option("--once", is_flag=True, help="Run one pass now, print what it did, and exit.")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the pass as JSON.")
 @click.pass_context

@@ -82,9 +82,8 @@ class HeadTurn:
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
         # every claim there is (only the head claims).
         self.view.refresh(free, frozenset(exclude))
-        self._prefetch = bool(known) and known == list(
-            islice(self.view.candidates(exclude), len(known))
-        )
+        ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        self._prefetch = bool(known) and ordered[: len(known)] == known
         self._letter_malformed()
         self._gone = 0
         cap = self.cap.value
@@ -96,7 +95,7 @@ class HeadTurn:
             self.view.watch_claims = False
         if want <= 0:
             return []
-        picked = self._pick(want, exclude, reads)
+        picked = self._pick(want, ordered, reads)
         if not picked:
             if self._gone:  # the view was stale (its entries had ended): list again, retry
                 self.view.invalidate()
@@ -125,10 +124,14 @@ class HeadTurn:
         return reads
 
     def _pick(
-        self, want: int, exclude: set[str], reads: dict[tuple[str, EntryName], Any]
+        self,
+        want: int,
+        ordered: list[tuple[str, EntryName]],
+        reads: dict[tuple[str, EntryName], Any],
     ) -> list[Candidate]:
+        """Judge ``ordered`` (the first candidates, in dispatch order) until ``want`` are
+        admitted; ``reads`` holds those already read."""
         picked: list[Candidate] = []
-        ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         start = 0
         while start < len(ordered):
             # Read only as many entries as could be claimed; more only when some are refused.

@@ -232,18 +232,12 @@ class AsyncJob(JobPaths):
         """Withdraw the submitter's attached, unfinished request without waiting: the delete
         is sent at once (safe in ``finally`` and on cancellation). Other handles: no-op."""
         if self.record is None:
-            self._drop_watches()
+            with contextlib.suppress(ZkqConnectionError):  # a closed client: its session is gone
+                self._drop_watches(self._watch)
         if self.owned and not self.detach and self.record is None and self.entry_path:
             # A closed client's session took its attached entries with it.
             with contextlib.suppress(ZkqConnectionError):
                 self.client.zk.delete_async(self.entry_path)
-
-    def _drop_watches(self) -> None:
-        """Take back the watches a wait that gave up left on the result and the claim."""
-        if self.client.connected:
-            for path in (self.result_path, self.claim_path):
-                if path is not None:
-                    remove_data_watch(self.client.zk, path, self._watch)
 
     async def withdraw(self) -> None:
         """Delete the entry without a result: the caller no longer wants the answer."""

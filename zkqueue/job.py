@@ -84,6 +84,15 @@ class JobPaths:
     def result_path(self) -> str:
         return str(self.client.layout.result(self.queue, self.id))
 
+    def _drop_watches(self, watch: Any) -> None:
+        """Take back the watches a wait that gave up left on the result and the claim (they
+        would otherwise stay until those nodes change, one per abandoned job)."""
+        zk = self.client.zk
+        if zk.connected:
+            for path in (self.result_path, self.claim_path):
+                if path is not None:
+                    remove_data_watch(zk, path, watch)
+
 
 class Job(JobPaths):
     """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached request
@@ -139,7 +148,7 @@ class Job(JobPaths):
         with self.client.mapped():
             found = self._wait_result(deadline)
         if found is None:
-            self._drop_watches()
+            self._drop_watches(self._on_watch)
             if self.owned and not self.detach:
                 self.withdraw()
             raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
@@ -167,7 +176,7 @@ class Job(JobPaths):
                 return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                self._drop_watches()
+                self._drop_watches(self._on_watch)
                 if self.owned and not self.detach:
                     self.withdraw()
                 raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
@@ -247,15 +256,6 @@ class Job(JobPaths):
 
     def _on_watch(self, _event: object) -> None:
         self._fired.set()
-
-    def _drop_watches(self) -> None:
-        """Take back the watches a wait that gave up left on the result and the claim (they
-        would otherwise stay until those nodes change, one per abandoned job)."""
-        zk = self.client.zk
-        if zk.connected:
-            for path in (self.result_path, self.claim_path):
-                if path is not None:
-                    remove_data_watch(zk, path, self._on_watch)
 
     def _look(self, watch: Any, timeout: float | None = None) -> Result | None:
         """The result if there is one. ``timeout`` bounds each read: a request made while
