@@ -22,6 +22,11 @@ def test_stale_worker_whose_claim_was_deleted_cannot_complete(client: Client, st
     stale = start_worker(stale_runner, name="stale")
     job = client.submit("once", detach=True)
     wait_for(stale_runner.started.is_set, message="stale worker running the job")
+    # Its entry watch is set once the job has run ENTRY_WATCH_DELAY: the reclaim then fences it.
+    wait_for(
+        lambda: (held := list(stale.worker.held.values())) and all(j.watched for j in held),
+        message="stale worker watching its entry",
+    )
     [claim] = _claims(client)
     assert json.loads(client.zk.get(client.layout.claim("default", claim))[0])["worker"] == "stale"
 

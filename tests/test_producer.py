@@ -23,12 +23,12 @@ def _patch_enqueue(monkeypatch: Any, mode: Callable[[int], str]) -> list[int]:
     real = claims.enqueue_async
     sent: list[int] = []
 
-    def fake(zk: Any, checks: list[Any], entries: list[Any], ephemeral: bool) -> Any:
+    def fake(zk: Any, checks: list[Any], tails: list[str], entries: list[Any], eph: bool) -> Any:
         sent.append(len(entries))
         how = mode(len(sent))
         if how == "lose":
             return _LostReply()
-        result = real(zk, checks, entries, ephemeral)
+        result = real(zk, checks, tails, entries, eph)
         if how == "commit+lose":
             result.get()
             return _LostReply()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,10 @@ class RunnerBridge:
         self.post = post
         self.worker_id = worker_id
         self.next_publish = float("inf")
+        #: When the oldest unwatched job's entry watch is due (monotonic seconds).
+        self.next_watch = float("inf")
+        #: Jobs handed in whose entry watch is not set yet, with when it is due, oldest first.
+        self._unwatched: deque[tuple[float, RunningJob]] = deque()
         #: The entry watch of each held job, by entry name (to remove it before completing).
         self._watches: dict[str, Callable[[WatchedEvent], None]] = {}
 
@@ -52,16 +57,31 @@ class RunnerBridge:
         self.runner.start(lambda job, outcome: self.post(Event.DONE, job, outcome))
 
     def hand_in(self, jobs: list[RunningJob]) -> None:
-        """Start the jobs, then watch their entries (pipelined). Connection trouble while
-        watching must not leave claimed jobs that never run: they start first, and the sweep
-        after the reconnect sets the watches that are missing."""
+        """Start the jobs. Their entries are watched once they have run ENTRY_WATCH_DELAY
+        (``watch_due``): a job that ends sooner never pays the two requests of a watch (set and
+        removed), and its completion, fenced by its token, fails if it was cancelled or
+        reclaimed meanwhile. So a cancel reaches a running job within that delay at most."""
+        now = time.monotonic()
         for job in jobs:
             self.held[self.key(job)] = job
             self.runner.submit(job)
             log.info("claimed (attempt %d)", job.attempts, extra=self.context(job))
+            self._unwatched.append((now + defaults.ENTRY_WATCH_DELAY, job))
         if any(job.spec.stream for job in jobs):
-            self.next_publish = min(self.next_publish, time.monotonic() + defaults.STREAM_INTERVAL)
-        self.watch(jobs)
+            self.next_publish = min(self.next_publish, now + defaults.STREAM_INTERVAL)
+        self.next_watch = self._unwatched[0][0] if self._unwatched else float("inf")
+
+    def watch_due(self) -> None:
+        """Watch the entries of the held jobs that have run ENTRY_WATCH_DELAY (pipelined)."""
+        now = time.monotonic()
+        due = []
+        while self._unwatched and self._unwatched[0][0] <= now:
+            job = self._unwatched.popleft()[1]
+            if not job.watched and job.claim and self.held.get(self.key(job)) is job:
+                due.append(job)
+        self.next_watch = self._unwatched[0][0] if self._unwatched else float("inf")
+        if due:
+            self.watch(due)
 
     def watch(self, jobs: list[RunningJob]) -> None:
         """Watch each running job's entry (cancel, withdrawal, reclaim), pipelined."""

@@ -69,19 +69,27 @@ class HeadTurn:
     def turn(
         self, free: int, exclude: set[str], rejoin_if_room: bool
     ) -> list[tuple[Claim, int]] | None:
-        """Claim up to ``free`` admissible entries not in ``exclude``. Returns each claim with the
-        KV-cache pages admission promised it ([] when nothing is claimable: the queue is empty
-        for us), or None if a race was lost."""
-        # The refresh re-lists the buckets the first candidates come from. When the view was
-        # current at the last turn (this worker stays head: nobody claimed in between), those
-        # candidates are read in the same round trip and a turn is that one read and the claim
-        # multi; otherwise (other heads claimed meanwhile) they are read after it, so no read
-        # is spent on entries other workers took.
+        """Claim up to ``free`` admissible entries not in ``exclude`` if this worker is the head
+        of the line. Returns each claim with the KV-cache pages admission promised it ([] when
+        nothing is claimable: the queue is empty for us, or we are not the head), or None if a
+        race was lost."""
+        # One round trip asks whether we are head (when our predecessor left, or we rejoined
+        # a line we were alone in), re-lists the buckets the first candidates come from and,
+        # when the view was current at the last turn (nobody claimed in between), reads those
+        # candidates; then comes the claim multi. Otherwise (other heads claimed meanwhile)
+        # the candidates are read after the refresh, so no read is spent on entries other
+        # workers took; and after our own join behind others, the line is asked first.
+        asked = self.line.ask_async()
+        if asked is None and not self.line.is_head():
+            return []
         known = list(islice(self.view.candidates(exclude), min(free, _SCAN_LIMIT)))
         reads = self._read(known) if self._prefetch else {}
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
         # every claim there is (only the head claims).
         self.view.refresh(free, frozenset(exclude))
+        if not self.line.settle(asked):
+            return []  # not the head after all (a predecessor that was not head left)
+        self.view.await_arrivals(free, frozenset(exclude))
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         self._prefetch = bool(known) and ordered[: len(known)] == known
         self._letter_malformed()

@@ -186,6 +186,8 @@ class Worker:
             self._dispatch()
             self._wait_events()
             self._complete()
+            if not self.liveness.suspended:
+                self.bridge.watch_due()
         except TRANSIENT as exc:
             log.warning("ZooKeeper trouble, waiting for the connection: %s", type(exc).__name__)
             self.liveness.trouble()
@@ -196,6 +198,8 @@ class Worker:
         live = self.liveness
         counts = (self.stats.completed, self.stats.failed)
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
+        if beat and self.line.known:
+            self.view.poll()  # entries created without the arrival signal
         if beat and self.on_heartbeat is not None:
             self.on_heartbeat(self)
         live.maybe_renew(self._stats.claimed, len(self.completer))
@@ -205,7 +209,10 @@ class Worker:
 
     def _wait_events(self) -> None:
         live = self.liveness
-        wake_at = min(live.next_heartbeat, live.next_renewal, self.bridge.next_publish)
+        bridge = self.bridge
+        wake_at = min(
+            live.next_heartbeat, live.next_renewal, bridge.next_publish, bridge.next_watch
+        )
         timeout = max(0.0, wake_at - time.monotonic())
         if self._drain_deadline is not None:
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))
@@ -272,14 +279,15 @@ class Worker:
             return
         if not self.line.joined:
             self.line.join()
-        if not self.line.is_head():
-            return
+        if self.line.known is False:
+            return  # waiting for the predecessor to leave
         claimed = self.head.turn(free, set(self.held), rejoin_if_room=True)
         if claimed is None:
             self._post(Event.WAKE)  # lost a race: re-read and try again
             return
         if not claimed:
-            self._queue_empty = not self.head.capped  # capped: jobs wait, the queue is not empty
+            if self.line.known:  # the head found nothing it may claim (capped: jobs wait)
+                self._queue_empty = not self.head.capped
             return
         self._stats.claimed += len(claimed)
         self.metrics.batch(self.queue, len(claimed))

@@ -1,7 +1,8 @@
 """The claim/complete protocol: every state change of a job is one ZooKeeper multi.
 
-- enqueue:  check(pending/<priority>, version read) + create <bucket>/<id>- (sequential): a
-            producer whose tail bucket is stale fails and reads it again.
+- enqueue:  check(pending/<priority>, version read) + set_data(<bucket>) + create
+            <bucket>/<id>- (sequential): a producer whose tail bucket is stale fails and reads
+            it again. The set_data is the arrival signal a waiting head watches.
 - open:     check(pending/<priority>) + create the next bucket + set the priority's tail to it.
 - claim:    create claims/<id> (ephemeral) + set_data(entry, same bytes, version=read version)
             [+ leave the line, + rejoin it at the back]. The entry's new version is the fencing
@@ -232,14 +233,21 @@ def add_result(txn: TransactionRequest, layout: Layout, queue: str, record: Resu
 
 
 def enqueue_async(
-    zk: KazooClient, checks: list[tuple[str, int]], entries: list[tuple[str, bytes]], eph: bool
+    zk: KazooClient,
+    checks: list[tuple[str, int]],
+    tails: list[str],
+    entries: list[tuple[str, bytes]],
+    eph: bool,
 ) -> Any:
     """Create several entries (sequential-create prefix in a tail bucket, spec bytes) in one
-    multi, fenced by the versions of the priority nodes naming those tails, without waiting:
-    the async result gives one outcome per check, then one created path per entry."""
+    multi, fenced by the versions of the priority nodes naming those tails, and touch each tail
+    bucket's data (the arrival signal a waiting head watches), without waiting: the async
+    result gives one outcome per check and per tail, then one created path per entry."""
     txn = zk.transaction()
     for path, version in checks:
         txn.check(path, version)
+    for bucket in tails:
+        txn.set_data(bucket, b"")
     for prefix, data in entries:
         txn.create(prefix, data, ephemeral=eph, sequence=True)
     return txn.commit_async()
@@ -345,6 +353,7 @@ def requeue(
     tail, version = read_tail(zk, layout, queue, priority)
     txn = zk.transaction()
     txn.check(layout.pending(queue, priority), version)
+    txn.set_data(layout.bucket(queue, priority, tail), b"")  # the arrival signal
     txn.create(layout.entry_prefix(queue, priority, job_id, tail), spec, sequence=True)
     txn.delete(layout.dead_node(queue, letter))
     if zk.exists(layout.result(queue, job_id)) is not None:
@@ -352,7 +361,7 @@ def requeue(
     outcome = txn.commit()
     if transaction_failed(outcome):
         return None
-    return str(outcome[1]).split("/")[-2] + "/" + str(outcome[1]).rsplit("/", 1)[1]
+    return str(outcome[2]).split("/")[-2] + "/" + str(outcome[2]).rsplit("/", 1)[1]
 
 
 def move(

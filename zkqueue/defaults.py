@@ -55,6 +55,9 @@ PENDING_BUCKET = 1000
 
 #: Seconds between writes of a streaming job's partial output (at most a few a second).
 STREAM_INTERVAL = 0.25
+#: Seconds a claimed job runs before its worker watches its entry (to stop it when it is
+#: cancelled, withdrawn or reclaimed): shorter jobs end first and never pay for the watch.
+ENTRY_WATCH_DELAY = 0.05
 
 WORKER_SLOTS = 1
 HEARTBEAT_INTERVAL = 2.0

@@ -94,10 +94,12 @@ class Enqueuer:
     def _send(self, chunk: list[Prepared], ephemeral: bool) -> Any:
         tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
         checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in sorted(tails)]
+        buckets = [self.layout.bucket(q, p, tails[q, p][0]) for q, p in sorted(tails)]
         entries = [
             (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
         ]
-        return len(checks), claims.enqueue_async(self._zk(), checks, entries, ephemeral)
+        call = claims.enqueue_async(self._zk(), checks, buckets, entries, ephemeral)
+        return len(checks) + len(buckets), call
 
     def create_many(self, prepared: list[Prepared], ephemeral: bool) -> list[str | None]:
         """Create every entry, ``_MULTI_CREATES`` to a multi, several multis in flight; returns

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import EventType, WatchedEvent
 
 from zkqueue import claims
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
@@ -127,6 +128,8 @@ class Job(JobPaths):
         #: Set by this handle's one watch callable (kazoo keeps watchers in sets: re-arming the
         #: same callable never stacks, and it can be taken back when the wait ends).
         self._fired = threading.Event()
+        #: The path whose creation the watch reported last (the result, once it is written).
+        self._created: str | None = None
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -243,7 +246,9 @@ class Job(JobPaths):
         while True:
             self._fired.clear()
             try:
-                found = self._look(self._on_watch, _bound(deadline))
+                found = self._fetch(_bound(deadline))
+                if found is None:
+                    found = self._look(self._on_watch, _bound(deadline))
                 recheck = _RECHECK_SECONDS
             except _AWAY:
                 found, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait, within deadline
@@ -254,8 +259,23 @@ class Job(JobPaths):
                 return None
             self._fired.wait(recheck if remaining is None else min(remaining, recheck))
 
-    def _on_watch(self, _event: object) -> None:
+    def _on_watch(self, event: WatchedEvent) -> None:
+        if event.type == EventType.CREATED:
+            self._created = event.path
         self._fired.set()
+
+    def _fetch(self, timeout: float | None) -> Result | None:
+        """The result, when the watch just reported its creation: one read (the watch fired,
+        so there is none to take back, and the entry's state no longer matters)."""
+        if self._created != self.result_path:
+            return None
+        self._created = None
+        try:
+            data, _ = self.client.zk.get_async(self.result_path).get(timeout=timeout)
+        except NoNodeError:
+            return None  # consumed or expired meanwhile: the full look says which
+        self._result_size = len(data)
+        return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
 
     def _look(self, watch: Any, timeout: float | None = None) -> Result | None:
         """The result if there is one. ``timeout`` bounds each read: a request made while

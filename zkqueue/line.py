@@ -37,6 +37,10 @@ class Line:
         self._watching: str | None = None
         #: Cached answer of is_head(); None means ask ZooKeeper again.
         self._head: bool | None = None
+        #: Whether we are likely head when that is unknown: the predecessor left, or we
+        #: (re)joined a line we were alone in at the last look.
+        self._likely = False
+        self._alone = False
 
     @property
     def joined(self) -> bool:
@@ -51,6 +55,7 @@ class Line:
         )
         self.node = path.rsplit("/", 1)[1]
         self._head = None
+        self._likely = self._alone
 
     def leave(self) -> None:
         if self.node is None:
@@ -88,6 +93,7 @@ class Line:
         if isinstance(joined_path, str):
             self.node = joined_path.rsplit("/", 1)[1]
             self._head = None
+            self._likely = self._alone
 
     # -- head ---------------------------------------------------------------------------------
 
@@ -97,29 +103,59 @@ class Line:
             self._head = self._ask_head()
         return self._head
 
+    @property
+    def known(self) -> bool | None:
+        """The cached answer of is_head(), None when it must be asked again."""
+        return self._head
+
+    def ask_async(self) -> Any:
+        """Start listing the line when whether we are head is unknown but likely, so that the
+        caller can send its own reads in the same round trip; ``settle`` takes the answer.
+        None otherwise: then is_head() answers first."""
+        if self._head is not None or self.node is None or not self._likely:
+            return None
+        return self.zk.get_children_async(self.directory)
+
+    def settle(self, call: Any) -> bool:
+        """is_head() from a listing started by ``ask_async``."""
+        if call is not None and self._head is None:
+            place = self._place(call.get())
+            self._head = self._ask_head() if place is None else place
+        return self.is_head()
+
     def _ask_head(self) -> bool:
         while self.node is not None:
-            children = [c for c in self.zk.get_children(self.directory) if is_line_member(c)]
-            ordered = sorted(children, key=line_order)
-            if self.node not in ordered:
-                self.node = None  # deleted behind our back (session loss); the loop rejoins
-                return False
-            index = ordered.index(self.node)
-            if index == 0:
-                return True
-            predecessor = ordered[index - 1]
-            if predecessor == self._watching:
-                return False  # already watching it: a watch is set once per node
-            path = child(self.directory, predecessor)
-            if self.zk.exists(path, watch=self._predecessor_gone) is not None:
-                self._watching = predecessor
-                return False
+            place = self._place(self.zk.get_children(self.directory))
+            if place is not None:
+                return place
         return False
+
+    def _place(self, names: list[str]) -> bool | None:
+        """Whether we are first among ``names``; if not, watch the predecessor (None: it left
+        meanwhile, list again)."""
+        ordered = sorted((c for c in names if is_line_member(c)), key=line_order)
+        self._alone = len(ordered) == 1
+        self._likely = False
+        if self.node not in ordered:
+            self.node = None  # deleted behind our back (session loss); the loop rejoins
+            return False
+        index = ordered.index(self.node)
+        if index == 0:
+            return True
+        predecessor = ordered[index - 1]
+        if predecessor == self._watching:
+            return False  # already watching it: a watch is set once per node
+        path = child(self.directory, predecessor)
+        if self.zk.exists(path, watch=self._predecessor_gone) is not None:
+            self._watching = predecessor
+            return False
+        return None
 
     def invalidate(self) -> None:
         """Called by the loop (never from a watch thread) after a line event: ask again."""
         self._watching = None
         self._head = None
+        self._likely = True
 
     def _predecessor_gone(self, event: WatchedEvent) -> None:
         self._on_change()

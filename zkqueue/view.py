@@ -8,8 +8,11 @@ tail), so it is listed once more when it stops being the tail and never again; i
 entries are dropped when a read finds them gone. Empty buckets before the tail are deleted.
 
 Watches are set only when the head runs short of candidates (it is waiting for arrivals): then
-on the bucket names and the tail bucket of each priority. A busy head sets none, so completions
-notify nobody; each turn it re-lists (unwatched) the bucket its first candidates come from (other
+on the bucket names and the tail bucket of each priority. While any job runs, a tail is watched
+through its data (producers touch it in every enqueue: the arrival signal) rather than its
+children, since a running job's entry stays in its bucket until it completes and its delete would
+wake the head for nothing; entries created without the signal are found by a re-listing at each
+heartbeat. A busy head sets none, so completions notify nobody; each turn it re-lists (unwatched) the bucket its first candidates come from (other
 workers' completions would otherwise be read as candidates and found gone) and the tail buckets
 of priorities above its best candidate, so a more urgent arrival is never passed over."""
 
@@ -28,7 +31,7 @@ from kazoo.protocol.states import WatchedEvent
 from zkqueue import defaults
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, bucket_name, parse_bucket
-from zkqueue.watches import remove_child_watch
+from zkqueue.watches import remove_child_watch, remove_data_watch
 
 log = logging.getLogger("zkq.view")
 CLAIMS = "claims"
@@ -71,8 +74,10 @@ class PendingView:
     events: int = 0
     #: Child listings this view made (benchmarks count them).
     listings: int = 0
-    #: Parts with a child watch set on the server.
+    #: Parts with a watch set on the server: a child watch, or a data watch for those also in
+    #: ``signalled`` (tail buckets whose data producers touch on every enqueue).
     armed: set[Any] = field(default_factory=set)
+    signalled: set[Any] = field(default_factory=set)
     #: Watch claims/ too (the head is capped by max_running: a claim ending frees a slot).
     watch_claims: bool = False
 
@@ -86,16 +91,18 @@ class PendingView:
         if part is None:
             self._dirty = {*defaults.PRIORITIES, CLAIMS, *self.listed}
             self.armed.clear()
+            self.signalled.clear()
         else:
             self._dirty.add(part)
             self.armed.discard(part)
+            self.signalled.discard(part)
 
     def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
         """Re-list what changed since the last refresh, the claims (never watched: a job's
         claim and completion notify nobody; the loop's periodic turn sees a claim that
-        vanished) and the tails above the best candidate, pipelined; list the next buckets of
-        any priority short of candidates; and when fewer than ``want`` candidates remain, list
-        the bucket names and tails again with watches, to hear of arrivals."""
+        vanished) and the tails above the best candidate, pipelined (in the same round trip as
+        whatever the caller sent just before); list the next buckets of any priority short of
+        candidates. ``await_arrivals`` follows when the caller is the head."""
         dirty, self._dirty = self._dirty, set()
         # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
@@ -108,9 +115,24 @@ class PendingView:
             if not more:
                 break
             self._read(more)
+
+    def await_arrivals(self, want: int, exclude: frozenset[str]) -> None:
+        """When fewer than ``want`` candidates remain, list the bucket names and tails again
+        with watches, to hear of arrivals (only the head of the line calls it)."""
         if len(list(islice(self.candidates(set(exclude)), want))) < want:
             waiting = self._wanted() - self.armed
-            self._read(waiting, waiting)
+            # While jobs run, tails are watched through their data, which producers touch in
+            # every enqueue: a child watch would also fire when those jobs complete (a running
+            # job's entry stays in its bucket, which may be the tail, until then).
+            signal = {p for p in waiting if not isinstance(p, str)} if self.claimed else set()
+            self._read(waiting, waiting - signal, signal)
+
+    def poll(self) -> None:
+        """Re-list the tails watched through their data (the loop calls it at each heartbeat
+        while this worker is head): an entry a producer created without touching the bucket's
+        data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
+        for part in list(self.signalled):
+            self.invalidate(part)
 
     def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
         """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
@@ -154,9 +176,9 @@ class PendingView:
         for part in [p for p in self.armed if not isinstance(p, str) or p == CLAIMS]:
             watch = self._watches.get(part)
             if watch is not None:
-                remove_child_watch(self.zk, self._path(part), watch)
-            self.armed.discard(part)
-            self._dirty.add(part)
+                remove = remove_data_watch if part in self.signalled else remove_child_watch
+                remove(self.zk, self._path(part), watch)
+            self.invalidate(part)
 
     def drop(self, priority: str, entry: EntryName) -> None:
         """Forget an entry that is gone (its bucket's watch will confirm it)."""
@@ -170,9 +192,19 @@ class PendingView:
             self.watch_claims = True
             self._read({CLAIMS}, {CLAIMS})
 
-    def _read(self, parts: set[Part], arm: frozenset[Part] | set[Part] = frozenset()) -> None:
-        """List ``parts`` (pipelined: one round trip), with a child watch on those in ``arm``."""
-        self.armed |= arm & parts
+    def _read(
+        self,
+        parts: set[Part],
+        arm: frozenset[Part] | set[Part] = frozenset(),
+        signal: frozenset[Part] | set[Part] = frozenset(),
+    ) -> None:
+        """List ``parts`` (pipelined: one round trip), with a child watch on those in ``arm``
+        and a data watch on those in ``signal``, set before their listing (an arrival after
+        the watch fires it; one before is in the listing)."""
+        self.armed |= (arm | signal) & parts
+        self.signalled |= signal & parts
+        for part in signal & parts:
+            self.zk.exists_async(self._path(part), watch=self._watch(part))
         calls = {
             part: self.zk.get_children_async(
                 self._path(part), watch=self._watch(part) if part in arm else None
@@ -225,6 +257,7 @@ class PendingView:
         self._parsed.pop(key, None)
         self._watches.pop(key, None)
         self.armed.discard(key)
+        self.signalled.discard(key)
 
     def _store_buckets(self, priority: str, names: list[str]) -> None:
         numbers, bad = [], []
