@@ -7,14 +7,15 @@ the first buckets, until it holds enough unclaimed candidates; a bucket's names 
 tail), so it is listed once more when it stops being the tail and never again; its finished
 entries are dropped when a read finds them gone. Empty buckets before the tail are deleted.
 
-Watches are set only when the head runs short of candidates (it is waiting for arrivals): then
-on the bucket names and the tail bucket of each priority. While any job runs, a tail is watched
+Watches are set only when the head runs short of candidates (it is waiting for arrivals): then on
+the bucket names and the tail bucket of each priority. While any job runs, a tail is watched
 through its data (producers touch it in every enqueue: the arrival signal) rather than its
 children, since a running job's entry stays in its bucket until it completes and its delete would
 wake the head for nothing; entries created without the signal are found by a re-listing at each
-heartbeat. A busy head sets none, so completions notify nobody; each turn it re-lists (unwatched) the bucket its first candidates come from (other
-workers' completions would otherwise be read as candidates and found gone) and the tail buckets
-of priorities above its best candidate, so a more urgent arrival is never passed over."""
+heartbeat. A busy head sets none, so completions notify nobody; each turn it re-lists (unwatched)
+the bucket its first candidates come from (other workers' completions would otherwise be read as
+candidates and found gone) and the tail buckets of priorities above its best candidate, so a more
+urgent arrival is never passed over."""
 
 from __future__ import annotations
 
