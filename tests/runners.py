@@ -25,18 +25,22 @@ class RecordingRunner(EchoRunner):
 
 
 class GateRunner(ThreadedRunner):
-    """Holds every job until ``gate`` is set (or the job is cancelled), then echoes it."""
+    """Holds every job (or those whose prompt is ``only``) until ``gate`` is set (or the job is
+    cancelled), then echoes it."""
 
     name = "gate"
 
-    def __init__(self) -> None:
+    def __init__(self, only: str | None = None) -> None:
         super().__init__()
+        self.only = only
         self.gate = threading.Event()
         self.started = threading.Event()
         self.running: list[RunningJob] = []
         self.finished: list[tuple[str, str]] = []
 
     def run_one(self, job: RunningJob) -> Outcome:
+        if self.only is not None and job.spec.prompt != self.only:
+            return Outcome(Status.SUCCEEDED, output=job.spec.prompt)
         self.running.append(job)
         self.started.set()
         while not self.gate.wait(0.01):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tests.conftest import flush_watches, wait_for
+from tests.runners import GateRunner
+from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.testing import four_letter
 
@@ -32,6 +34,54 @@ def test_one_job_wakes_at_most_two_of_ten_idle_workers(client: Client, start_wor
             if h.worker.stats.watch_events > b
         ]
         assert 1 <= len(woken) <= 2, f"round {round_}: {len(woken)} sessions woken: {woken}"
+
+
+def test_a_job_wakes_its_workers_twice_even_when_the_next_head_waits_while_it_runs(
+    client: Client, start_worker
+) -> None:
+    """The head hears the arrival and its successor hears the head leave; nothing else. The
+    job runs long enough for the successor to wait (and watch the tail bucket, which still
+    holds the running job's entry) and for the running worker to watch its entry: the job's
+    completion wakes nobody. Heartbeats (0.1 s) re-list the tails the head watches meanwhile."""
+    handles = [
+        start_worker(EchoRunner(delay=0.2), slots=1, heartbeat_interval=0.1) for _ in range(4)
+    ]
+    wait_for(lambda: _line_size(client) == 4, message="four workers in line")
+    client.ensure_queue("default")
+    for round_ in range(4):
+        for h in handles:
+            flush_watches(h.worker.zk)
+        before = sum(h.worker.stats.watch_events for h in handles)
+        assert client.submit(f"job {round_}").result(timeout=10).ok
+        wait_for(lambda: _line_size(client) == 4, message="worker back in line")
+        for h in handles:
+            flush_watches(h.worker.zk)
+        events = sum(h.worker.stats.watch_events for h in handles) - before
+        assert events == 2, f"round {round_}: {events} notifications to the workers"
+
+
+def test_an_entry_made_without_the_arrival_signal_is_found_while_jobs_run(
+    client: Client, start_worker
+) -> None:
+    """A raw producer's bare create fires no watch while the waiting head watches the tail
+    through its data (a job runs): the head's re-listing at each heartbeat finds it."""
+    runner = GateRunner(only="hold")
+    handle = start_worker(runner, slots=2, heartbeat_interval=0.3)
+    view = handle.worker.view
+    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    held = client.submit("hold", detach=True)
+    wait_for(runner.started.is_set, message="the held job running")
+    wait_for(lambda: ("normal", 0) in view.signalled, message="the tail watched by its data")
+    client.zk.create(
+        client.layout.entry_prefix("default", "normal", "bare1", 0),
+        b'{"prompt": "bare"}',
+        sequence=True,
+    )
+    record = client.job("bare1", "default").result(timeout=10)
+    assert (record.status, record.output) == ("succeeded", "bare")
+    assert held.status() == "running"
+    runner.gate.set()
+    assert held.result(timeout=10).ok
 
 
 def test_idle_line_holds_every_worker_once(client: Client, start_worker) -> None:

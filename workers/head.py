@@ -58,8 +58,10 @@ class HeadTurn:
     #: Entries this turn found gone (the view's listing was stale).
     _gone: int = 0
     #: Whether the view's first candidates were still current at the last turn: then read
-    #: them in the refresh's round trip.
+    #: them in the refresh's round trip (if this worker stayed in the line since: had it left,
+    #: other heads claimed meanwhile and the reads would be wasted).
     _prefetch: bool = False
+    _stayed: bool = False
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
 
@@ -83,7 +85,7 @@ class HeadTurn:
         if asked is None and not self.line.is_head():
             return []
         known = list(islice(self.view.candidates(exclude), min(free, _SCAN_LIMIT)))
-        reads = self._read(known) if self._prefetch else {}
+        reads = self._read(known) if self._prefetch and self._stayed else {}
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
         # every claim there is (only the head claims).
         self.view.refresh(free, frozenset(exclude))
@@ -101,6 +103,7 @@ class HeadTurn:
             self.view.arm_claims()  # hear a claim end: it frees a slot under the cap
         else:
             self.view.watch_claims = False
+        self._stayed = True
         if want <= 0:
             return []
         picked = self._pick(want, ordered, reads)
@@ -115,6 +118,7 @@ class HeadTurn:
             self.view.invalidate()
             return None
         if not rejoin:
+            self._stayed = False
             self.view.unwatch()  # out of the line: the next head watches, not us
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again (the next turn's claims listing says so).

@@ -120,20 +120,22 @@ class PendingView:
     def await_arrivals(self, want: int, exclude: frozenset[str]) -> None:
         """When fewer than ``want`` candidates remain, list the bucket names and tails again
         with watches, to hear of arrivals (only the head of the line calls it)."""
-        if len(list(islice(self.candidates(set(exclude)), want))) < want:
+        have = list(islice(self.candidates(set(exclude)), want))
+        if len(have) < want:
             waiting = self._wanted() - self.armed
-            # While jobs run, tails are watched through their data, which producers touch in
-            # every enqueue: a child watch would also fire when those jobs complete (a running
-            # job's entry stays in its bucket, which may be the tail, until then).
-            signal = {p for p in waiting if not isinstance(p, str)} if self.claimed else set()
+            # While jobs run (or are about to: the head claims ``have`` now), tails are watched
+            # through their data, which producers touch in every enqueue: a child watch would
+            # also fire when those jobs complete (a running job's entry stays in its bucket,
+            # which may be the tail, until then).
+            busy = bool(self.claimed or have)
+            signal = {p for p in waiting if not isinstance(p, str)} if busy else set()
             self._read(waiting, waiting - signal, signal)
 
     def poll(self) -> None:
         """Re-list the tails watched through their data (the loop calls it at each heartbeat
         while this worker is head): an entry a producer created without touching the bucket's
         data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
-        for part in list(self.signalled):
-            self.invalidate(part)
+        self._dirty |= self.signalled  # their data watches stay set: re-listed, not re-armed
 
     def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
         """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
