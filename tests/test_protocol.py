@@ -14,7 +14,7 @@ from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client, defaults
 from zkqueue.enqueue import Enqueuer
-from zkqueue.errors import ExitCode, JobWithdrawn, ProtocolMismatch
+from zkqueue.errors import ExitCode, InvalidJob, JobWithdrawn, ProtocolMismatch
 from zkqueue.expiry import ExpiryLimits
 from zkqueue.janitor import Janitor
 from zkqueue.migrate import migrate
@@ -57,6 +57,30 @@ def test_the_same_id_submitted_twice_runs_once(client: Client, start_worker) -> 
     again = client.submit("Hello", job_id="myjob1", detach=True)
     assert again.existing and again.status() == "succeeded"
     assert handle.worker.stats.completed == 1
+
+
+def test_a_reused_generated_id_writes_nothing_and_is_lettered(client: Client, start_worker) -> None:
+    """Ids of the generated kind (``_`` and random hex) skip the head's duplicate check: a raw
+    producer that reuses one breaks the contract, so its entry runs, but the completion's
+    result create fails, the first result stands and the entry is lettered as a duplicate."""
+    job = client.submit("first", detach=True)
+    assert job.id.startswith("_")
+    handle = start_worker()
+    assert job.result(timeout=10).output == "first"
+    client.zk.create(
+        client.layout.entry_prefix("default", "normal", job.id, 0),
+        b'{"prompt": "again"}',
+        sequence=True,
+    )
+    wait_for(lambda: handle.worker.stats.dead_lettered == 1, message="duplicate lettered")
+    [letter] = client.dead()
+    assert "duplicate" in letter["reason"] and letter["id"] == job.id
+    assert client.job(job.id).result(timeout=1).output == "first"
+    assert client.zk.get_children(client.layout.claims("default")) == []
+    stats = handle.worker.stats
+    assert (stats.completed, stats.fenced) == (1, 0)
+    with pytest.raises(InvalidJob, match="reserved"):
+        client.submit("mine", job_id="_mine")
 
 
 def test_a_version_1_root_is_refused_then_migrated(

@@ -15,10 +15,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kazoo.exceptions import NoNodeError
+
 from workers.admission import Admission
 from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, Outcome, RunningJob
-from zkqueue.claims import Claims
+from zkqueue.claims import Claim, Claims
+from zkqueue.layout import is_generated_id
 from zkqueue.line import Line
 from zkqueue.logs import job_context
 from zkqueue.result import Result, Status
@@ -44,6 +47,8 @@ class CompletionStats:
     failed: int = 0
     fenced: int = 0
     released: int = 0
+    #: Entries whose generated id turned out to have a result already (a producer reused it).
+    dead_lettered: int = 0
     #: Jobs the runner gave back because its engine failed (released, counted apart).
     engine_failures: int = 0
 
@@ -170,6 +175,11 @@ class Completer:
         assert claim is not None
         context = job_context(job.id, job.queue, job.priority, self.worker_id)
         if not ok:
+            if is_generated_id(claim.id) and self._letter_duplicate(claim):
+                self.stats.dead_lettered += 1
+                job.cancel_reason = CancelReason.CANCELLED  # its entry is gone
+                log.warning("a duplicate of a finished job: dead-lettered", extra=context)
+                return
             self.stats.fenced += 1
             self.metrics.claim_lost("fenced")
             # The entry may be pending again (a reclaimed lease): keep it in the head's view.
@@ -188,6 +198,28 @@ class Completer:
             outcome.extra.get("output_tokens"),
         )
         log.info("%s in %.2fs", outcome.status, finished - claim.claimed_at, extra=context)
+
+    def _letter_duplicate(self, claim: Claim) -> bool:
+        """After a failed completion of a generated id (whose duplicate check is left to the
+        completion): if our claim still holds the entry and the id has a result, a producer
+        reused the id. Letter the entry (no new result: the first one stands) and drop our
+        claim; True if so."""
+        zk, claims = self.claims.zk, self.claims
+        result = zk.exists_async(claims.layout.result(claim.queue, claim.id))
+        try:
+            data, stat = zk.get(claims.entry_path(claim.priority, claim.entry))
+        except NoNodeError:
+            return False
+        if stat.version != claim.token or result.get() is None:
+            return False
+        reason = f"duplicate: job id {claim.id} already has a result"
+        entry = claim.entry
+        if not claims.dead_letter(
+            claim.priority, entry.name, data, stat, reason, claim.id, with_result=False
+        ):
+            return False
+        claims.drop(claim)
+        return True
 
     def _done(self, job: RunningJob) -> None:
         self.admission.release(job.pages)

@@ -21,7 +21,7 @@ from workers.admission import Admission, Verdict
 from workers.metrics import WorkerMetrics
 from zkqueue.claims import Candidate, Claim, Claims
 from zkqueue.errors import InvalidJob
-from zkqueue.layout import EntryName, Layout
+from zkqueue.layout import EntryName, Layout, is_generated_id
 from zkqueue.limits import RunningCap
 from zkqueue.line import Line
 from zkqueue.registry import read_records
@@ -128,10 +128,14 @@ class HeadTurn:
     def _read(self, part: list[tuple[str, EntryName]]) -> dict[tuple[str, EntryName], Any]:
         """Each entry's data, and whether its id already has a result (a raw producer's
         duplicate), pipelined: one round trip. The result is read first: a result there
-        before the entry is read is a duplicate's, not that of a completion in between."""
+        before the entry is read is a duplicate's, not that of a completion in between. A
+        generated id is new by construction: its check is left to the completion (whose
+        result create would fail on a duplicate), which saves a request per job."""
         reads = {}
         for p, e in part:
-            result = self.zk.exists_async(self.layout.result(self.queue, e.job_id))
+            result = None
+            if not is_generated_id(e.job_id):
+                result = self.zk.exists_async(self.layout.result(self.queue, e.job_id))
             reads[(p, e)] = (self.zk.get_async(self.claims.entry_path(p, e)), result)
         return reads
 
@@ -159,7 +163,7 @@ class HeadTurn:
                     self.view.drop(priority, entry)
                     self._gone += 1
                     continue
-                if result.get() is not None:
+                if result is not None and result.get() is not None:
                     self._duplicate(priority, entry, data, stat)
                     continue
                 extra = sum(c.pages for c in picked)

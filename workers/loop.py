@@ -135,7 +135,7 @@ class Worker:
     def stats(self) -> WorkerStats:
         """What this worker did so far (the parts' figures, read together)."""
         s, head, done = self._stats, self.head.stats, self.completer.stats
-        s.dead_lettered, s.rejected = head.dead_lettered, head.rejected
+        s.dead_lettered, s.rejected = head.dead_lettered + done.dead_lettered, head.rejected
         s.completed, s.failed, s.fenced = done.completed, done.failed, done.fenced
         s.released, s.out_of_memory = done.released, done.engine_failures
         return s

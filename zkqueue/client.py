@@ -17,7 +17,14 @@ from zkqueue.deadletters import dead_result, list_dead, purge, requeue
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import Job
-from zkqueue.layout import Layout, check_job_id, check_priority, check_queue
+from zkqueue.layout import (
+    GENERATED_ID_PREFIX,
+    Layout,
+    check_job_id,
+    check_new_job_id,
+    check_priority,
+    check_queue,
+)
 from zkqueue.limits import Limits, QueueSettings
 from zkqueue.queues import delete_queue, queue_stats, queue_table
 from zkqueue.records import ClaimBody
@@ -27,8 +34,9 @@ from zkqueue.spec import build_spec, parse_submission
 
 
 def new_job_id() -> str:
-    """A unique job id; it also goes into the entry's name so a retried create can find it."""
-    return secrets.token_hex(8)
+    """A unique job id (``_`` and 16 random hex digits: workers skip the duplicate check for
+    ids of this form); it also goes into the entry's name so a retried create can find it."""
+    return GENERATED_ID_PREFIX + secrets.token_hex(8)
 
 
 class Client:
@@ -139,7 +147,7 @@ class Client:
         with self.mapped():
             self.ensure_queue(queue)
             if job_id is not None:
-                found = self._find_job(queue, check_job_id(job_id))
+                found = self._find_job(queue, check_new_job_id(job_id))
                 if found is not None:
                     found.existing = True
                     return found

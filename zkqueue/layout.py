@@ -80,6 +80,26 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
+#: The first character of the ids zkq's producers generate (then 16 random hex digits). Such
+#: an id is new by construction, so a worker does not look for an earlier result before
+#: running it; ids a user chooses may not start with it (docs/PROTOCOL.md).
+GENERATED_ID_PREFIX = "_"
+
+
+def is_generated_id(job_id: str) -> bool:
+    return job_id.startswith(GENERATED_ID_PREFIX)
+
+
+def check_new_job_id(job_id: str) -> str:
+    """A job id a user chose for a new job: valid, and not of the generated kind."""
+    if is_generated_id(check_job_id(job_id)):
+        raise InvalidJob(
+            f"bad job id {job_id!r}: ids starting with {GENERATED_ID_PREFIX!r} are reserved for "
+            "the ids zkq generates"
+        )
+    return job_id
+
+
 def bucket_name(bucket: int) -> str:
     return f"{bucket:010d}"
 
