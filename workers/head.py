@@ -57,10 +57,11 @@ class HeadTurn:
     stats: HeadStats = field(default_factory=HeadStats)
     #: Entries this turn found gone (the view's listing was stale).
     _gone: int = 0
-    #: Whether the view's first candidates were still current at the last turn: then read
-    #: them in the refresh's round trip (if this worker stayed in the line since: had it left,
-    #: other heads claimed meanwhile and the reads would be wasted).
-    _prefetch: bool = False
+    #: How many of the view's first candidates other heads took between this worker's last
+    #: two turns (None: unknown). The next turn guesses they took as many again and reads the
+    #: candidates after those in the refresh's round trip.
+    _skip: int | None = None
+    #: Whether this worker stayed in the line since its last turn (then nobody else claimed).
     _stayed: bool = False
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
@@ -75,25 +76,30 @@ class HeadTurn:
         of the line. Returns each claim with the KV-cache pages admission promised it ([] when
         nothing is claimable: the queue is empty for us, or we are not the head), or None if a
         race was lost."""
-        # One round trip asks whether we are head (when our predecessor left, or we rejoined
-        # a line we were alone in), re-lists the buckets the first candidates come from and,
-        # when the view was current at the last turn (nobody claimed in between), reads those
-        # candidates; then comes the claim multi. Otherwise (other heads claimed meanwhile)
-        # the candidates are read after the refresh, so no read is spent on entries other
-        # workers took; and after our own join behind others, the line is asked first.
+        # A turn is two round trips: the first asks whether we are head (when our predecessor
+        # left, or we rejoined a line we were alone in), re-lists claims/ and the buckets the
+        # first candidates come from, and reads the candidates we expect to claim; the second
+        # is the claim multi. Heads claim in order, so the candidates other heads took since
+        # our last turn are the first ones our view holds: we guess they took as many as last
+        # time (none if we stayed in the line) and read the ones after. A wrong guess costs a
+        # third round trip (the reads after the refresh) and the reads it wasted.
         asked = self.line.ask_async()
         if asked is None and not self.line.is_head():
             return []
-        known = list(islice(self.view.candidates(exclude), min(free, _SCAN_LIMIT)))
-        reads = self._read(known) if self._prefetch and self._stayed else {}
+        stayed, self._stayed = self._stayed, True
+        skip = 0 if stayed else self._skip
+        stale = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        guess = stale[skip : skip + free] if skip is not None else []
+        reads = self._read(guess)
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
         # every claim there is (only the head claims).
-        self.view.refresh(free, frozenset(exclude))
+        self.view.refresh(len(stale[: (skip or 0) + free]), frozenset(exclude))
         if not self.line.settle(asked):
             return []  # not the head after all (a predecessor that was not head left)
         self.view.await_arrivals(free, frozenset(exclude))
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
-        self._prefetch = bool(known) and ordered[: len(known)] == known
+        if not stayed:
+            self._skip = stale.index(ordered[0]) if ordered and ordered[0] in stale else None
         self._letter_malformed()
         self._gone = 0
         cap = self.cap.value
@@ -103,7 +109,6 @@ class HeadTurn:
             self.view.arm_claims()  # hear a claim end: it frees a slot under the cap
         else:
             self.view.watch_claims = False
-        self._stayed = True
         if want <= 0:
             return []
         picked = self._pick(want, ordered, reads)
@@ -117,8 +122,8 @@ class HeadTurn:
         if claimed is None:
             self.view.invalidate()
             return None
+        self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
         if not rejoin:
-            self._stayed = False
             self.view.unwatch()  # out of the line: the next head watches, not us
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again (the next turn's claims listing says so).

@@ -208,11 +208,15 @@ class PendingView:
         self.signalled |= signal & parts
         for part in signal & parts:
             self.zk.exists_async(self._path(part), watch=self._watch(part))
+        # claims/ first (a session's requests are served in order): an entry whose claim it
+        # does not show and which a later bucket listing still holds is pending, not a job
+        # that completed in between (whose claim and entry both went).
+        ordered = sorted(parts, key=lambda part: part != CLAIMS)
         calls = {
             part: self.zk.get_children_async(
                 self._path(part), watch=self._watch(part) if part in arm else None
             )
-            for part in parts
+            for part in ordered
         }
         self.listings += len(calls)
         for part, call in calls.items():
