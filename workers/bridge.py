@@ -77,11 +77,20 @@ class RunnerBridge:
         due = []
         while self._unwatched and self._unwatched[0][0] <= now:
             job = self._unwatched.popleft()[1]
-            if not job.watched and job.claim and self.held.get(self.key(job)) is job:
+            if self._unfinished(job):
                 due.append(job)
-        self.next_watch = self._unwatched[0][0] if self._unwatched else float("inf")
+        self._advance()
         if due:
             self.watch(due)
+
+    def _unfinished(self, job: RunningJob) -> bool:
+        return not job.watched and job.claim is not None and self.held.get(self.key(job)) is job
+
+    def _advance(self) -> None:
+        """Forget the jobs at the front that ended unwatched: the loop wakes for the next due."""
+        while self._unwatched and not self._unfinished(self._unwatched[0][1]):
+            self._unwatched.popleft()
+        self.next_watch = self._unwatched[0][0] if self._unwatched else float("inf")
 
     def watch(self, jobs: list[RunningJob]) -> None:
         """Watch each running job's entry (cancel, withdrawal, reclaim), pipelined."""
@@ -153,7 +162,9 @@ class RunnerBridge:
                 remove_data_watch(self.zk, self._entry(job), watch)
 
     def forget(self, job: RunningJob) -> None:
+        """The job ended (the loop no longer holds it)."""
         self._watches.pop(self.key(job), None)
+        self._advance()
 
     def _watch(self, job: RunningJob) -> Callable[[WatchedEvent], None]:
         key = self.key(job)

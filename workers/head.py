@@ -63,6 +63,9 @@ class HeadTurn:
     _skip: int | None = None
     #: Whether this worker stayed in the line since its last turn (then nobody else claimed).
     _stayed: bool = False
+    #: A claim took this worker out of the line: drop the view's watches, unless it is head
+    #: again by the time the loop asks (it completed fast and rejoined a line it is alone in).
+    _unwatch_due: bool = False
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
 
@@ -85,6 +88,7 @@ class HeadTurn:
         # third round trip (the reads after the refresh) and the reads it wasted.
         asked = self.line.ask_async()
         if asked is None and not self.line.is_head():
+            self.drop_watches()
             return []
         stayed, self._stayed = self._stayed, True
         skip = 0 if stayed else self._skip
@@ -95,7 +99,9 @@ class HeadTurn:
         # every claim there is (only the head claims).
         self.view.refresh(len(stale[: (skip or 0) + free]), frozenset(exclude))
         if not self.line.settle(asked):
+            self.drop_watches()
             return []  # not the head after all (a predecessor that was not head left)
+        self._unwatch_due = False  # head again: the watches still serve
         self.view.await_arrivals(free, frozenset(exclude))
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         if not stayed:
@@ -123,12 +129,20 @@ class HeadTurn:
             self.view.invalidate()
             return None
         self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
-        if not rejoin:
-            self.view.unwatch()  # out of the line: the next head watches, not us
+        # Out of the line: the next head watches, not us. Dropping the watches waits for the
+        # loop's next pass (after this job's completion, if it was quick), so the removals do
+        # not delay that completion and are skipped when we are head again by then.
+        self._unwatch_due = not rejoin
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again (the next turn's claims listing says so).
         self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
+
+    def drop_watches(self) -> None:
+        """Remove the view's watches if a claim took this worker out of the line."""
+        if self._unwatch_due:
+            self._unwatch_due = False
+            self.view.unwatch()
 
     def _read(self, part: list[tuple[str, EntryName]]) -> dict[tuple[str, EntryName], Any]:
         """Each entry's data, and whether its id already has a result (a raw producer's

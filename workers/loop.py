@@ -272,14 +272,14 @@ class Worker:
             return
         if self.liveness.unsure:
             self._sweep()
-        if self.state != State.RUNNING:
-            return
         free = self._free_slots()
-        if free <= 0:
+        if self.state != State.RUNNING or free <= 0:
+            self.head.drop_watches()
             return
         if not self.line.joined:
             self.line.join()
         if self.line.known is False:
+            self.head.drop_watches()
             return  # waiting for the predecessor to leave
         claimed = self.head.turn(free, set(self.held), rejoin_if_room=True)
         if claimed is None:
