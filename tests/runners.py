@@ -37,8 +37,11 @@ class GateRunner(ThreadedRunner):
         self.started = threading.Event()
         self.running: list[RunningJob] = []
         self.finished: list[tuple[str, str]] = []
+        #: Every job's prompt, in the order the runner got them.
+        self.seen: list[str] = []
 
     def run_one(self, job: RunningJob) -> Outcome:
+        self.seen.append(job.spec.prompt)
         if self.only is not None and job.spec.prompt != self.only:
             return Outcome(Status.SUCCEEDED, output=job.spec.prompt)
         self.running.append(job)

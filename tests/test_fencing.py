@@ -6,7 +6,7 @@ import json
 
 from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
-from zkqueue import Client
+from zkqueue import Client, defaults
 from zkqueue.claims import Claims
 from zkqueue.layout import EntryName
 from zkqueue.line import Line
@@ -90,3 +90,22 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
     assert b.complete(claim_b, fresh, None) is True
     assert client.job(job.id).result(timeout=1).output == "fresh"
     assert b.complete(claim_b, fresh, None) is False  # and never twice
+
+
+def test_a_job_cancelled_before_its_entry_is_watched_counts_as_cancelled(
+    client: Client, start_worker, monkeypatch
+) -> None:
+    """A short job's entry is not watched (ENTRY_WATCH_DELAY): a cancel meanwhile is found by
+    its completion, which fails; the worker drops its claim and counts no lost claim."""
+    monkeypatch.setattr(defaults, "ENTRY_WATCH_DELAY", 60.0)
+    gate = GateRunner()
+    handle = start_worker(gate)
+    job = client.submit("short", detach=True)
+    wait_for(gate.started.is_set, message="running")
+    assert job.cancel()
+    gate.gate.set()
+    wait_for(lambda: handle.worker.busy == 0, message="the job ended")
+    stats = handle.worker.stats
+    assert (stats.completed, stats.fenced) == (0, 0)
+    assert job.result(timeout=5).status == "cancelled"
+    assert _claims(client) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.conftest import flush_watches, wait_for
-from tests.runners import GateRunner
+from tests.runners import GateRunner, RecordingRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 
@@ -80,6 +80,55 @@ def test_an_entry_made_without_the_arrival_signal_is_found_while_jobs_run(
     assert (record.status, record.output) == ("succeeded", "bare")
     assert held.status() == "running"
     runner.gate.set()
+    assert held.result(timeout=10).ok
+
+
+def test_a_job_completing_unheard_is_never_read_as_a_candidate(
+    client: Client, start_worker
+) -> None:
+    """The waiting head watches the tail through its data while another worker's job runs
+    there, so that job's completion notifies nobody; when the head wakes for a later arrival
+    (here of a lower priority) it re-lists that tail and never reads the finished entry."""
+    gate = GateRunner(only="hold")
+    runner = start_worker(gate, name="runner")
+    wait_for(lambda: _line_size(client) == 1, message="the first worker in line")
+    head = start_worker(name="head")
+    wait_for(lambda: _line_size(client) == 2, message="two workers in line")
+    held = client.submit("hold", detach=True)
+    wait_for(gate.started.is_set, message="the first worker running the job")
+    view = head.worker.view
+    wait_for(lambda: ("normal", 0) in view.signalled, message="the head watching by data")
+    gate.gate.set()
+    assert held.result(timeout=10).ok
+    wait_for(lambda: _line_size(client) == 2, message="the first worker back in line")
+    assert client.submit("later", priority="low").result(timeout=10).worker == "head"
+    assert head.worker.head.stats.gone == 0
+    assert runner.worker.stats.completed == 1
+
+
+def test_a_bare_entry_of_a_higher_priority_goes_first_while_jobs_run(
+    client: Client, start_worker
+) -> None:
+    """An entry created without the arrival signal (a raw producer) in a tail watched by its
+    data is found when the head wakes for any arrival, and served in priority order."""
+    gate = GateRunner(only="hold")
+    start_worker(gate, name="runner")
+    wait_for(lambda: _line_size(client) == 1, message="the first worker in line")
+    recorder = RecordingRunner()
+    head = start_worker(recorder, name="head")
+    wait_for(lambda: _line_size(client) == 2, message="two workers in line")
+    held = client.submit("hold", detach=True)
+    view = head.worker.view
+    wait_for(lambda: ("high", 0) in view.signalled, message="the high tail watched by its data")
+    client.zk.create(
+        client.layout.entry_prefix("default", "high", "bare2", 0),
+        b'{"prompt": "bare high"}',
+        sequence=True,
+    )
+    assert client.submit("normal").result(timeout=10).ok
+    assert client.job("bare2", "default").result(timeout=10).ok
+    assert recorder.seen == ["bare high", "normal"]
+    gate.gate.set()
     assert held.result(timeout=10).ok
 
 

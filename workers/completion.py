@@ -175,6 +175,13 @@ class Completer:
         assert claim is not None
         context = job_context(job.id, job.queue, job.priority, self.worker_id)
         if not ok:
+            if not self.claims.entry_exists(claim):
+                # Cancelled or withdrawn before its entry watch was set (a short job's
+                # completion is what finds out): our claim goes, nothing else to do.
+                job.cancel_reason = CancelReason.CANCELLED
+                self.claims.drop(claim)
+                log.info("stopped: cancelled or withdrawn", extra=context)
+                return
             if is_generated_id(claim.id) and self._letter_duplicate(claim):
                 self.stats.dead_lettered += 1
                 job.cancel_reason = CancelReason.CANCELLED  # its entry is gone

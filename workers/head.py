@@ -41,6 +41,8 @@ class HeadStats:
 
     dead_lettered: int = 0
     rejected: int = 0
+    #: Candidates read and found gone (the view's listing was stale).
+    gone: int = 0
 
 
 @dataclass
@@ -129,10 +131,11 @@ class HeadTurn:
             self.view.invalidate()
             return None
         self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
-        # Out of the line: the next head watches, not us. Dropping the watches waits for the
-        # loop's next pass (after this job's completion, if it was quick), so the removals do
-        # not delay that completion and are skipped when we are head again by then.
-        self._unwatch_due = not rejoin
+        # Out of the line (or at its back): the next head watches, not us. Dropping the
+        # watches waits for the loop's next pass (after this job's completion, if it was
+        # quick), so the removals do not delay that completion and are skipped when we are
+        # head again by then (a worker alone in the line).
+        self._unwatch_due = True
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again (the next turn's claims listing says so).
         self.view.claimed.update(c.entry.job_id for c in picked)
@@ -181,6 +184,7 @@ class HeadTurn:
                 except NoNodeError:
                     self.view.drop(priority, entry)
                     self._gone += 1
+                    self.stats.gone += 1
                     continue
                 if result is not None and result.get() is not None:
                     self._duplicate(priority, entry, data, stat)

@@ -210,9 +210,9 @@ class Worker:
     def _wait_events(self) -> None:
         live = self.liveness
         bridge = self.bridge
-        wake_at = min(
-            live.next_heartbeat, live.next_renewal, bridge.next_publish, bridge.next_watch
-        )
+        # Entry watches wait for the connection (watch_due is skipped while suspended).
+        watch_at = float("inf") if live.suspended else bridge.next_watch
+        wake_at = min(live.next_heartbeat, live.next_renewal, bridge.next_publish, watch_at)
         timeout = max(0.0, wake_at - time.monotonic())
         if self._drain_deadline is not None:
             timeout = min(timeout, max(0.0, self._drain_deadline - time.monotonic()))

@@ -64,3 +64,8 @@ class ClaimNodes:
                 self.zk.delete(path, version=stat.version)
         except NoNodeError:
             pass
+
+    def entry_exists(self, claim: Claim) -> bool:
+        """Whether the claimed entry is still there (not cancelled, withdrawn or completed)."""
+        path = self.layout.entry(self.queue, claim.priority, claim.entry.name)
+        return self.zk.exists(path) is not None

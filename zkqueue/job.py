@@ -128,8 +128,8 @@ class Job(JobPaths):
         #: Set by this handle's one watch callable (kazoo keeps watchers in sets: re-arming the
         #: same callable never stacks, and it can be taken back when the wait ends).
         self._fired = threading.Event()
-        #: The path whose creation the watch reported last (the result, once it is written).
-        self._created: str | None = None
+        #: The read of the result, sent by the watch that reported its creation.
+        self._early: Any = None
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -260,18 +260,20 @@ class Job(JobPaths):
             self._fired.wait(recheck if remaining is None else min(remaining, recheck))
 
     def _on_watch(self, event: WatchedEvent) -> None:
-        if event.type == EventType.CREATED:
-            self._created = event.path
+        if event.type == EventType.CREATED and event.path == self.result_path:
+            # Read it at once, from kazoo's callback thread: the waiting thread then finds
+            # the answer on its way, not a request still to send.
+            self._early = self.client.zk.get_async(event.path)
         self._fired.set()
 
     def _fetch(self, timeout: float | None) -> Result | None:
-        """The result, when the watch just reported its creation: one read (the watch fired,
-        so there is none to take back, and the entry's state no longer matters)."""
-        if self._created != self.result_path:
+        """The result, when the watch just reported its creation: one read, already sent (the
+        watch fired, so there is none to take back, and the entry's state no longer matters)."""
+        call, self._early = self._early, None
+        if call is None:
             return None
-        self._created = None
         try:
-            data, _ = self.client.zk.get_async(self.result_path).get(timeout=timeout)
+            data, _ = call.get(timeout=timeout)
         except NoNodeError:
             return None  # consumed or expired meanwhile: the full look says which
         self._result_size = len(data)

@@ -90,9 +90,10 @@ class PendingView:
     def invalidate(self, part: Part | None = None) -> None:
         """Mark one part, or everything, to be re-read."""
         if part is None:
+            # Data watches may still be set: ``signalled`` stays, so they are re-armed as data
+            # watches (never beside a child watch on the same bucket) or removed by unwatch().
             self._dirty = {*defaults.PRIORITIES, CLAIMS, *self.listed}
             self.armed.clear()
-            self.signalled.clear()
         else:
             self._dirty.add(part)
             self.armed.discard(part)
@@ -110,7 +111,7 @@ class PendingView:
         names = {p for p in defaults.PRIORITIES if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
         parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
-        self._read(parts, arm)
+        self._read(parts | self._uncertain(exclude), arm)
         for _ in range(8):
             more, self._dirty = self._short() | self._dirty, set()
             if not more:
@@ -129,20 +130,40 @@ class PendingView:
             # which may be the tail, until then).
             busy = bool(self.claimed or have)
             signal = {p for p in waiting if not isinstance(p, str)} if busy else set()
+            signal |= waiting & self.signalled
             self._read(waiting, waiting - signal, signal)
 
     def poll(self) -> None:
         """Re-list the tails watched through their data (the loop calls it at each heartbeat
         while this worker is head): an entry a producer created without touching the bucket's
         data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
-        self._dirty |= self.signalled  # their data watches stay set: re-listed, not re-armed
+        tails = {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
+        self._dirty |= self.signalled & tails  # their data watches stay set: not re-armed
+
+    def _uncertain(self, exclude: frozenset[str]) -> set[Part]:
+        """Tails watched through their data whose listing may be stale, since neither a
+        completion nor a raw producer's entry fires a data watch: those holding jobs that were
+        running (their completions would be read as candidates), and all of them when the view
+        has no candidate (the head wakes from waiting, perhaps to claim from a lower priority
+        than a raw entry in one of them). Re-listed, unwatched, in the refresh."""
+        if next(self.candidates(set(exclude)), None) is None:
+            return set(self.signalled)
+        return {
+            part
+            for part in self.signalled
+            if any(e.job_id in self.claimed for e in self.listed.get(part, ()))
+        }
 
     def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
         """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
         (one bucket, at most ~1,000 names), since other workers' completions are not watched
         and their entries would otherwise be read as candidates and found gone."""
         first = islice(self.candidates(set(exclude)), want)
-        return {(p, e.bucket) for p, e in first} - self.armed
+        return {(p, e.bucket) for p, e in first} - self._trusted()
+
+    def _trusted(self) -> set[Part]:
+        """Parts whose child watch reports every change (a data watch hears arrivals only)."""
+        return self.armed - self.signalled
 
     def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
         """The listed tail buckets of the priorities ranked above the best candidate's."""
@@ -151,7 +172,7 @@ class PendingView:
         return {
             (p, self.buckets[p][-1])
             for p in above
-            if self.buckets.get(p) and (p, self.buckets[p][-1]) not in self.armed
+            if self.buckets.get(p) and (p, self.buckets[p][-1]) not in self._trusted()
         }
 
     def _wanted(self) -> set[Part]:
@@ -176,7 +197,9 @@ class PendingView:
         watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
         time."""
         self.watch_claims = False
-        for part in [p for p in self.armed if not isinstance(p, str) or p == CLAIMS]:
+        for part in [
+            p for p in self.armed | self.signalled if not isinstance(p, str) or p == CLAIMS
+        ]:
             watch = self._watches.get(part)
             if watch is not None:
                 remove = remove_data_watch if part in self.signalled else remove_child_watch
