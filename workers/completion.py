@@ -139,8 +139,11 @@ class Completer:
                 log.info("released to other workers", extra=context)
 
     def _complete(self, group: list[tuple[RunningJob, Outcome]], rejoin: bool) -> None:
-        finished = time.time()
-        records = [(job.claim, self._record(job, outcome, finished)) for job, outcome in group]
+        now = time.time()
+        records = []
+        for job, outcome in group:
+            job.ended_at = job.ended_at or now  # a retry after a lost reply: the same record
+            records.append((job.claim, self._record(job, outcome, job.ended_at)))
         if self.unwatch is not None:
             self.unwatch([job for job, _ in group])
         # On connection trouble this raises and the group stays queued: the multi may have
@@ -149,7 +152,7 @@ class Completer:
             [(c, r) for c, r in records if c is not None], self.line if rejoin else None
         )
         for (job, outcome), ok in zip(group, written, strict=True):
-            self._account(job, outcome, ok, finished)
+            self._account(job, outcome, ok, job.ended_at or now)
             self._done(job)
 
     def _record(self, job: RunningJob, outcome: Outcome, finished: float) -> Result:
@@ -174,14 +177,15 @@ class Completer:
         claim = job.claim
         assert claim is not None
         context = job_context(job.id, job.queue, job.priority, self.worker_id)
-        if not ok:
-            if not self.claims.entry_exists(claim):
-                # Cancelled or withdrawn before its entry watch was set (a short job's
-                # completion is what finds out): our claim goes, nothing else to do.
-                job.cancel_reason = CancelReason.CANCELLED
-                self.claims.drop(claim)
-                log.info("stopped: cancelled or withdrawn", extra=context)
-                return
+        how = "" if ok else self.claims.failed_completion(claim, finished)
+        if how == "gone":
+            # Cancelled or withdrawn before its entry watch was set (a short job's completion
+            # is what finds out): our claim goes, nothing else to do.
+            job.cancel_reason = CancelReason.CANCELLED
+            self.claims.drop(claim)
+            log.info("stopped: cancelled or withdrawn", extra=context)
+            return
+        if how == "lost":
             if is_generated_id(claim.id) and self._letter_duplicate(claim):
                 self.stats.dead_lettered += 1
                 job.cancel_reason = CancelReason.CANCELLED  # its entry is gone
@@ -194,6 +198,7 @@ class Completer:
             if not self.claims.release(claim):
                 self.claims.drop(claim)  # the entry is gone (cancelled meanwhile): our claim too
             return
+        # Written (``ours``: by an earlier try of this multi whose reply was lost).
         self.stats.completed += 1
         self.stats.failed += outcome.status != Status.SUCCEEDED
         self.metrics.job_finished(

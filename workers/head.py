@@ -141,6 +141,10 @@ class HeadTurn:
         self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
 
+    def drop_watches_soon(self) -> None:
+        """This worker left the line: drop its watches on the loop's next pass."""
+        self._unwatch_due = True
+
     def drop_watches(self) -> None:
         """Remove the view's watches if a claim took this worker out of the line."""
         if self._unwatch_due:

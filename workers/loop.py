@@ -351,7 +351,7 @@ class Worker:
         self.bridge.cancel_all(CancelReason.LOST)
         self.completer.cancel_all(CancelReason.LOST)
         self.line.forget()
-        self.view.invalidate()
+        self.view.forget_watches()
 
     def _begin_stop(self, drain: bool) -> None:
         if self.state == State.DRAINING or not drain:
@@ -376,6 +376,7 @@ class Worker:
             self._release_deadline = time.monotonic() + _RELEASE_GRACE
 
     def _leave_line(self) -> None:
+        self.head.drop_watches_soon()  # a draining worker is no longer head
         try:
             self.line.leave()
         except TRANSIENT:

@@ -8,10 +8,12 @@ import contextlib
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from zkqueue.errors import CorruptRecord
 from zkqueue.layout import Layout, child
 from zkqueue.line import Line
 from zkqueue.nodes import own_untracked
 from zkqueue.records import Claim
+from zkqueue.result import Result
 
 
 class ClaimNodes:
@@ -20,6 +22,7 @@ class ClaimNodes:
     zk: KazooClient
     layout: Layout
     queue: str
+    worker_id: str
 
     def renew(self, claims: list[Claim]) -> list[Claim]:
         """Renew the leases (a write bumps the claim's server-side mtime, which the janitor
@@ -65,7 +68,25 @@ class ClaimNodes:
         except NoNodeError:
             pass
 
-    def entry_exists(self, claim: Claim) -> bool:
-        """Whether the claimed entry is still there (not cancelled, withdrawn or completed)."""
-        path = self.layout.entry(self.queue, claim.priority, claim.entry.name)
-        return self.zk.exists(path) is not None
+    def failed_completion(self, claim: Claim, finished_at: float) -> str:
+        """Why a completion of ``claim`` failed, in one round trip: ``ours`` (it committed, the
+        reply was lost and the retry found the result it wrote: this worker's, with this
+        claim's token and ``finished_at``), ``gone`` (the entry
+        was cancelled or withdrawn while the claim stayed ours) or ``lost`` (the claim went:
+        reclaimed or lost with the session, or the id has another result)."""
+        entry = self.zk.exists_async(
+            self.layout.entry(self.queue, claim.priority, claim.entry.name)
+        )
+        mine = self.zk.exists_async(self.layout.claim(self.queue, claim.id))
+        result = self.zk.get_async(self.layout.result(self.queue, claim.id))
+        try:
+            record = Result.from_bytes(result.get()[0], f"result of job {claim.id}")
+        except (NoNodeError, CorruptRecord):
+            record = None
+        mark = (self.worker_id, claim.token, finished_at)
+        if record is not None and (record.worker, record.attempts, record.finished_at) == mark:
+            return "ours"
+        stat = mine.get()
+        if stat is not None and stat.ephemeralOwner == self.zk.client_id[0] and entry.get() is None:
+            return "gone"
+        return "lost"

@@ -84,20 +84,29 @@ class PendingView:
 
     def __post_init__(self) -> None:
         self._dirty: set[Part] = {*defaults.PRIORITIES, CLAIMS}
+        #: The last turn found fewer candidates than it could claim (it armed watches).
+        self._waiting = False
         self._watches: dict[Part, _Watch] = {}
         self._parsed: dict[tuple[str, int], dict[str, EntryName]] = {}
 
     def invalidate(self, part: Part | None = None) -> None:
         """Mark one part, or everything, to be re-read."""
         if part is None:
-            # Data watches may still be set: ``signalled`` stays, so they are re-armed as data
-            # watches (never beside a child watch on the same bucket) or removed by unwatch().
+            # Re-list everything; the watches stay set on the server (and in these books, so a
+            # bucket is never watched both ways, and unwatch() removes what is set). A fired
+            # watch comes back through invalidate(part); a lost session through forget_watches().
             self._dirty = {*defaults.PRIORITIES, CLAIMS, *self.listed}
-            self.armed.clear()
         else:
             self._dirty.add(part)
             self.armed.discard(part)
             self.signalled.discard(part)
+
+    def forget_watches(self) -> None:
+        """The session is gone, and every watch with it: re-list and re-arm everything."""
+        self.invalidate()
+        self.armed.clear()
+        self.signalled.clear()
+        self.watch_claims = False
 
     def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
         """Re-list what changed since the last refresh, the claims (never watched: a job's
@@ -122,7 +131,8 @@ class PendingView:
         """When fewer than ``want`` candidates remain, list the bucket names and tails again
         with watches, to hear of arrivals (only the head of the line calls it)."""
         have = list(islice(self.candidates(set(exclude)), want))
-        if len(have) < want:
+        self._waiting = len(have) < want
+        if self._waiting:
             waiting = self._wanted() - self.armed
             # While jobs run (or are about to: the head claims ``have`` now), tails are watched
             # through their data, which producers touch in every enqueue: a child watch would
@@ -145,13 +155,17 @@ class PendingView:
         completion nor a raw producer's entry fires a data watch: those holding jobs that were
         running (their completions would be read as candidates), and all of them when the view
         has no candidate (the head wakes from waiting, perhaps to claim from a lower priority
-        than a raw entry in one of them). Re-listed, unwatched, in the refresh."""
-        if next(self.candidates(set(exclude)), None) is None:
+        than a raw entry in one of them). Jobs of this worker (``exclude``) do not count: it
+        drops their entries itself. Re-listed, unwatched, in the refresh."""
+        if self._waiting or next(self.candidates(set(exclude)), None) is None:
             return set(self.signalled)
         return {
             part
             for part in self.signalled
-            if any(e.job_id in self.claimed for e in self.listed.get(part, ()))
+            if any(
+                e.job_id in self.claimed and e.name not in exclude
+                for e in self.listed.get(part, ())
+            )
         }
 
     def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:

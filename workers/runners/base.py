@@ -78,6 +78,9 @@ class RunningJob:
     watched: bool = False
     #: When its claim was last written (claimed, renewed or published), monotonic seconds.
     renewed_at: float = field(default_factory=time.monotonic)
+    #: When the worker first tried to write its result (unix seconds): the record's
+    #: ``finished_at``, the same on a retry.
+    ended_at: float | None = None
 
     @classmethod
     def from_claim(cls, claim: Claim, pages: int = 0) -> RunningJob:
