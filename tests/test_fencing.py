@@ -93,8 +93,8 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
     assert b.complete(claim_b, fresh, None) is False  # and never twice
     # Why a completion failed: B's retry (a lost reply) finds its own record; A lost its claim.
     assert fresh.finished_at is not None
-    assert b.failed_completion(claim_b, fresh.finished_at) == "ours"
-    assert a.failed_completion(claim_a, fresh.finished_at) == "lost"
+    assert b.failed_completion(claim_b, fresh.finished_at)[0] == "ours"
+    assert a.failed_completion(claim_a, fresh.finished_at)[0] == "lost"
 
     cancelled = client.submit("y", detach=True)
     data, stat = client.zk.get(cancelled.entry_path or "")
@@ -102,7 +102,7 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
     entry = EntryName.parse(cancelled.entry or "")
     [claim_c] = a.claim([Candidate("normal", entry, data, stat, spec)], line_a, rejoin=False) or []
     assert cancelled.cancel()
-    assert a.failed_completion(claim_c, 0.0) == "gone"
+    assert a.failed_completion(claim_c, 0.0)[0] == "gone"
 
 
 def test_a_job_cancelled_before_its_entry_is_watched_counts_as_cancelled(

@@ -69,7 +69,7 @@ class RunnerBridge:
             self._unwatched.append((now + defaults.ENTRY_WATCH_DELAY, job))
         if any(job.spec.stream for job in jobs):
             self.next_publish = min(self.next_publish, now + defaults.STREAM_INTERVAL)
-        self.next_watch = self._unwatched[0][0] if self._unwatched else float("inf")
+        self._advance()
 
     def watch_due(self) -> None:
         """Watch the entries of the held jobs that have run ENTRY_WATCH_DELAY (pipelined)."""

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import ZnodeStat
 
 from workers.admission import Admission
 from workers.metrics import WorkerMetrics
@@ -24,6 +24,7 @@ from zkqueue.claims import Claim, Claims
 from zkqueue.layout import is_generated_id
 from zkqueue.line import Line
 from zkqueue.logs import job_context
+from zkqueue.records import DeadLetter
 from zkqueue.result import Result, Status
 
 log = logging.getLogger("zkq.worker")
@@ -177,7 +178,7 @@ class Completer:
         claim = job.claim
         assert claim is not None
         context = job_context(job.id, job.queue, job.priority, self.worker_id)
-        how = "" if ok else self.claims.failed_completion(claim, finished)
+        how, entry = ("", None) if ok else self.claims.failed_completion(claim, finished)
         if how == "gone":
             # Cancelled or withdrawn before its entry watch was set (a short job's completion
             # is what finds out): our claim goes, nothing else to do.
@@ -185,8 +186,8 @@ class Completer:
             self.claims.drop(claim)
             log.info("stopped: cancelled or withdrawn", extra=context)
             return
-        if how == "lost":
-            if is_generated_id(claim.id) and self._letter_duplicate(claim):
+        if how in ("lost", "duplicate"):
+            if entry is not None and is_generated_id(claim.id) and self._letter(claim, *entry):
                 self.stats.dead_lettered += 1
                 job.cancel_reason = CancelReason.CANCELLED  # its entry is gone
                 log.warning("a duplicate of a finished job: dead-lettered", extra=context)
@@ -211,26 +212,16 @@ class Completer:
         )
         log.info("%s in %.2fs", outcome.status, finished - claim.claimed_at, extra=context)
 
-    def _letter_duplicate(self, claim: Claim) -> bool:
-        """After a failed completion of a generated id (whose duplicate check is left to the
-        completion): if our claim still holds the entry and the id has a result, a producer
-        reused the id. Letter the entry (no new result: the first one stands) and drop our
-        claim; True if so."""
-        zk, claims = self.claims.zk, self.claims
-        result = zk.exists_async(claims.layout.result(claim.queue, claim.id))
-        try:
-            data, stat = zk.get(claims.entry_path(claim.priority, claim.entry))
-        except NoNodeError:
-            return False
-        if stat.version != claim.token or result.get() is None:
-            return False
-        reason = f"duplicate: job id {claim.id} already has a result"
-        entry = claim.entry
-        if not claims.dead_letter(
-            claim.priority, entry.name, data, stat, reason, claim.id, with_result=False
+    def _letter(self, claim: Claim, data: bytes, stat: ZnodeStat) -> bool:
+        """A generated id's duplicate (its check is left to the completion, which found it):
+        letter the entry without a result (the first one stands) and drop our claim."""
+        reason = DeadLetter.duplicate(claim.id)
+        name = claim.entry.name
+        if not self.claims.dead_letter(
+            claim.priority, name, data, stat, reason, claim.id, with_result=False
         ):
             return False
-        claims.drop(claim)
+        self.claims.drop(claim)
         return True
 
     def _done(self, job: RunningJob) -> None:

@@ -24,6 +24,7 @@ from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, is_generated_id
 from zkqueue.limits import RunningCap
 from zkqueue.line import Line
+from zkqueue.records import DeadLetter
 from zkqueue.registry import read_records
 from zkqueue.result import Status
 from zkqueue.spec import JobSpec
@@ -99,7 +100,7 @@ class HeadTurn:
         reads = self._read(guess)
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
         # every claim there is (only the head claims).
-        self.view.refresh(len(stale[: (skip or 0) + free]), frozenset(exclude))
+        self.view.refresh(min(len(stale), (skip or 0) + free), frozenset(exclude))
         if not self.line.settle(asked):
             self.drop_watches()
             return []  # not the head after all (a predecessor that was not head left)
@@ -135,7 +136,7 @@ class HeadTurn:
         # watches waits for the loop's next pass (after this job's completion, if it was
         # quick), so the removals do not delay that completion and are skipped when we are
         # head again by then (a worker alone in the line).
-        self._unwatch_due = True
+        self.drop_watches_soon()
         # Claimed entries stay pending until completed; mark them claimed, never forget them:
         # a release or crash makes them claimable again (the next turn's claims listing says so).
         self.view.claimed.update(c.entry.job_id for c in picked)
@@ -237,7 +238,7 @@ class HeadTurn:
 
     def _duplicate(self, priority: str, entry: EntryName, data: bytes, stat: Any) -> None:
         """An entry whose id already has a result is never run again: lettered, no result."""
-        reason = f"duplicate: job id {entry.job_id} already has a result"
+        reason = DeadLetter.duplicate(entry.job_id)
         if self.claims.dead_letter(
             priority, entry.name, data, stat, reason, entry.job_id, with_result=False
         ):

@@ -7,6 +7,7 @@ import contextlib
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import ZnodeStat
 
 from zkqueue.errors import CorruptRecord
 from zkqueue.layout import Layout, child
@@ -68,15 +69,17 @@ class ClaimNodes:
         except NoNodeError:
             pass
 
-    def failed_completion(self, claim: Claim, finished_at: float) -> str:
-        """Why a completion of ``claim`` failed, in one round trip: ``ours`` (it committed, the
-        reply was lost and the retry found the result it wrote: this worker's, with this
-        claim's token and ``finished_at``), ``gone`` (the entry
-        was cancelled or withdrawn while the claim stayed ours) or ``lost`` (the claim went:
-        reclaimed or lost with the session, or the id has another result)."""
-        entry = self.zk.exists_async(
-            self.layout.entry(self.queue, claim.priority, claim.entry.name)
-        )
+    def failed_completion(
+        self, claim: Claim, finished_at: float
+    ) -> tuple[str, tuple[bytes, ZnodeStat] | None]:
+        """Why a completion of ``claim`` failed, in one round trip:
+        - ``ours``: it committed, the reply was lost, and the retry found the result it wrote
+          (this worker's, with this claim's token and ``finished_at``);
+        - ``gone``: the entry was cancelled or withdrawn while the claim stayed ours;
+        - ``duplicate``: the claim and the entry (at its token) are ours, but the id already
+          has another result: a producer reused it. The entry's data and stat come with it;
+        - ``lost``: the claim went (reclaimed, or lost with the session)."""
+        entry = self.zk.get_async(self.layout.entry(self.queue, claim.priority, claim.entry.name))
         mine = self.zk.exists_async(self.layout.claim(self.queue, claim.id))
         result = self.zk.get_async(self.layout.result(self.queue, claim.id))
         try:
@@ -85,8 +88,13 @@ class ClaimNodes:
             record = None
         mark = (self.worker_id, claim.token, finished_at)
         if record is not None and (record.worker, record.attempts, record.finished_at) == mark:
-            return "ours"
+            return "ours", None
         stat = mine.get()
-        if stat is not None and stat.ephemeralOwner == self.zk.client_id[0] and entry.get() is None:
-            return "gone"
-        return "lost"
+        held = stat is not None and stat.ephemeralOwner == self.zk.client_id[0]
+        try:
+            data, entry_stat = entry.get()
+        except NoNodeError:
+            return ("gone" if held else "lost"), None
+        if held and record is not None and entry_stat.version == claim.token:
+            return "duplicate", (data, entry_stat)
+        return "lost", None

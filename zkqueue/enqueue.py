@@ -93,8 +93,9 @@ class Enqueuer:
 
     def _send(self, chunk: list[Prepared], ephemeral: bool) -> Any:
         tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
-        checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in sorted(tails)]
-        buckets = [self.layout.bucket(q, p, tails[q, p][0]) for q, p in sorted(tails)]
+        order = sorted(tails)
+        checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in order]
+        buckets = [self.layout.bucket(q, p, tails[q, p][0]) for q, p in order]
         entries = [
             (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
         ]

@@ -276,6 +276,9 @@ class Job(JobPaths):
             data, _ = call.get(timeout=timeout)
         except NoNodeError:
             return None  # consumed or expired meanwhile: the full look says which
+        return self._parse(data)
+
+    def _parse(self, data: bytes) -> Result:
         self._result_size = len(data)
         return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
 
@@ -298,8 +301,7 @@ class Job(JobPaths):
             data, _ = result_call.get(timeout=timeout)
             if watched is not None:  # the watch went onto the existing result: take it back
                 remove_data_watch(zk, self.result_path, watch)
-            self._result_size = len(data)
-            return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
+            return self._parse(data)
         except NoNodeError:
             pass
         if not entry_alive:

@@ -99,6 +99,11 @@ class DeadLetter:
     raw: str | None = None
     raw_base64: str | None = None
 
+    @staticmethod
+    def duplicate(job_id: str) -> str:
+        """The reason of an entry whose id already has a result (lettered without a result)."""
+        return f"duplicate: job id {job_id} already has a result"
+
     @classmethod
     def of_entry(cls, data: bytes, **fields: Any) -> DeadLetter:
         data = data[:_RAW_LIMIT]
