@@ -23,7 +23,7 @@ def _patch_enqueue(monkeypatch: Any, mode: Callable[[int], str]) -> list[int]:
     real = claims.enqueue_async
     sent: list[int] = []
 
-    def fake(zk: Any, checks: list[Any], tails: list[str], entries: list[Any], eph: bool) -> Any:
+    def fake(zk: Any, checks: list[Any], tails: list[Any], entries: list[Any], eph: bool) -> Any:
         sent.append(len(entries))
         how = mode(len(sent))
         if how == "lose":

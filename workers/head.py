@@ -36,6 +36,16 @@ log = logging.getLogger("zkq.worker")
 _SCAN_LIMIT = 64
 
 
+@dataclass(frozen=True)
+class _Read:
+    """An entry's (data, stat) already known: answers like the read it saves."""
+
+    found: tuple[bytes, Any]
+
+    def get(self) -> tuple[bytes, Any]:
+        return self.found
+
+
 @dataclass
 class HeadStats:
     """What the head did with the entries it judged (the worker's stats add these)."""
@@ -44,6 +54,8 @@ class HeadStats:
     rejected: int = 0
     #: Candidates read and found gone (the view's listing was stale).
     gone: int = 0
+    #: Entries claimed without being read: their tail's arrival signal carried them.
+    unread: int = 0
 
 
 @dataclass
@@ -107,6 +119,8 @@ class HeadTurn:
         self._unwatch_due = False  # head again: the watches still serve
         self.view.await_arrivals(free, frozenset(exclude))
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        arrived = self._arrived(ordered[:free], reads)
+        reads.update(arrived)
         if not stayed:
             self._skip = stale.index(ordered[0]) if ordered and ordered[0] in stale else None
         self._letter_malformed()
@@ -132,6 +146,7 @@ class HeadTurn:
             self.view.invalidate()
             return None
         self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
+        self.stats.unread += sum((c.priority, c.entry) in arrived for c in picked)
         # Out of the line (or at its back): the next head watches, not us. Dropping the
         # watches waits for the loop's next pass (after this job's completion, if it was
         # quick), so the removals do not delay that completion and are skipped when we are
@@ -165,6 +180,19 @@ class HeadTurn:
                 result = self.zk.exists_async(self.layout.result(self.queue, e.job_id))
             reads[(p, e)] = (self.zk.get_async(self.claims.entry_path(p, e)), result)
         return reads
+
+    def _arrived(
+        self, first: list[tuple[str, EntryName]], reads: dict[tuple[str, EntryName], Any]
+    ) -> dict[tuple[str, EntryName], Any]:
+        """Reads of the first candidates that the refresh found in their tail's arrival signal
+        (only for generated ids: another id needs its result check, a round trip anyway)."""
+        return {
+            (p, e): (_Read(found), None)
+            for p, e in first
+            if (p, e) not in reads
+            and is_generated_id(e.job_id)
+            and (found := self.view.arrived.get((p, e.name))) is not None
+        }
 
     def _pick(
         self,

@@ -22,7 +22,7 @@ from kazoo.protocol.states import WatchedEvent
 from zkqueue import claims
 from zkqueue.connection import TRANSIENT, mapped_errors
 from zkqueue.errors import JobTimeout, JobWithdrawn, ZkqConnectionError
-from zkqueue.job import JobPaths
+from zkqueue.jobpaths import JobPaths
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
 from zkqueue.watches import remove_data_watch

@@ -235,19 +235,20 @@ def add_result(txn: TransactionRequest, layout: Layout, queue: str, record: Resu
 def enqueue_async(
     zk: KazooClient,
     checks: list[tuple[str, int]],
-    tails: list[str],
+    tails: list[tuple[str, bytes]],
     entries: list[tuple[str, bytes]],
     eph: bool,
 ) -> Any:
     """Create several entries (sequential-create prefix in a tail bucket, spec bytes) in one
-    multi, fenced by the versions of the priority nodes naming those tails, and touch each tail
-    bucket's data (the arrival signal a waiting head watches), without waiting: the async
-    result gives one outcome per check and per tail, then one created path per entry."""
+    multi, fenced by the versions of the priority nodes naming those tails, and set each tail
+    bucket's data to its arrival signal (zkqueue.arrival: a waiting head watches it), without
+    waiting: the async result gives one outcome per check and per tail, then one created path
+    per entry."""
     txn = zk.transaction()
     for path, version in checks:
         txn.check(path, version)
-    for bucket in tails:
-        txn.set_data(bucket, b"")
+    for bucket, signal in tails:
+        txn.set_data(bucket, signal)
     for prefix, data in entries:
         txn.create(prefix, data, ephemeral=eph, sequence=True)
     return txn.commit_async()

@@ -153,9 +153,17 @@ class Client:
                     return found
             job_id = job_id or new_job_id()
             self.limits.check_room(queue)
-            name = self._enqueue.create(queue, priority, job_id, data, ephemeral=not detach)
-        job = Job(self, job_id, queue, priority, name, detach=detach, owned=True)
-        job.keep_result = keep_result
+            job = Job(self, job_id, queue, priority, detach=detach, owned=True)
+            job.keep_result = keep_result
+            if not detach:
+                job.watch_early()  # its caller waits: in the create's round trip
+            try:
+                job.entry = self._enqueue.create(
+                    queue, priority, job_id, data, ephemeral=not detach
+                )
+            except BaseException:
+                job.unwatch()
+                raise
         return job
 
     def submit_many(

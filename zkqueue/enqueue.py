@@ -25,7 +25,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 
-from zkqueue import claims, defaults
+from zkqueue import arrival, claims, defaults
 from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ZkqConnectionError
 from zkqueue.layout import Layout
@@ -95,7 +95,9 @@ class Enqueuer:
         tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
         order = sorted(tails)
         checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in order]
-        buckets = [self.layout.bucket(q, p, tails[q, p][0]) for q, p in order]
+        buckets = [
+            (self.layout.bucket(q, p, tails[q, p][0]), _signal(chunk, q, p)) for q, p in order
+        ]
         entries = [
             (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
         ]
@@ -209,6 +211,12 @@ class Enqueuer:
                     f"come back within {self.settings.connect_timeout:g}s"
                 )
             time.sleep(_RECONNECT_POLL)
+
+
+def _signal(chunk: list[Prepared], queue: str, priority: str) -> bytes:
+    """The arrival signal for one tail bucket: its one new entry, or empty for several."""
+    mine = [(jid, data) for jid, q, p, data in chunk if (q, p) == (queue, priority)]
+    return arrival.encode(*mine[0]) if len(mine) == 1 else b""
 
 
 def _relative(path: str) -> str:

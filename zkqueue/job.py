@@ -14,6 +14,7 @@ from kazoo.protocol.states import EventType, WatchedEvent
 
 from zkqueue import claims
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
+from zkqueue.jobpaths import PENDING, RUNNING, WITHDRAWN, JobPaths
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
 from zkqueue.watches import remove_data_watch
@@ -43,56 +44,12 @@ class Owner(Protocol):
     def position(self, queue: str, entry: str) -> int | None: ...
 
 
-PENDING = "pending"
-RUNNING = "running"
-#: An attached request whose entry went without a result (its caller gave up, or the caller's
-#: session expired): nothing was run to completion, resubmitting is safe.
-WITHDRAWN = "withdrawn"
 #: How often a waiter re-reads even without a watch firing: watches are hints, not guarantees.
 _RECHECK_SECONDS = 2.0
 #: How often a waiter tries again while ZooKeeper is unreachable.
 _RECONNECT_POLL = 0.25
 #: What a read may raise while ZooKeeper is away; a waiter tries again within its deadline.
 _AWAY = (ConnectionLoss, SessionExpiredError, KazooTimeoutError)
-
-
-class JobPaths:
-    """Where a job's nodes are, for both producer faces (``Job`` and ``aiojob.AsyncJob``)."""
-
-    client: Any
-    id: str
-    queue: str
-    priority: str
-    entry: str | None
-
-    def __repr__(self) -> str:
-        name, fields = type(self).__name__, (self.id, self.queue, self.priority)
-        return "{}(id={!r}, queue={!r}, priority={!r})".format(name, *fields)
-
-    @property
-    def entry_path(self) -> str | None:
-        if self.entry is None:
-            return None
-        return str(self.client.layout.entry(self.queue, self.priority, self.entry))
-
-    @property
-    def claim_path(self) -> str | None:
-        if self.entry is None:
-            return None
-        return str(self.client.layout.claim(self.queue, self.entry))
-
-    @property
-    def result_path(self) -> str:
-        return str(self.client.layout.result(self.queue, self.id))
-
-    def _drop_watches(self, watch: Any) -> None:
-        """Take back the watches a wait that gave up left on the result and the claim (they
-        would otherwise stay until those nodes change, one per abandoned job)."""
-        zk = self.client.zk
-        if zk.connected:
-            for path in (self.result_path, self.claim_path):
-                if path is not None:
-                    remove_data_watch(zk, path, watch)
 
 
 class Job(JobPaths):
@@ -130,6 +87,8 @@ class Job(JobPaths):
         self._fired = threading.Event()
         #: The read of the result, sent by the watch that reported its creation.
         self._early: Any = None
+        #: The result watch set just before the entry was created (``watch_early``).
+        self._armed: Any = None
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -241,13 +200,24 @@ class Job(JobPaths):
 
     # -- internals -------------------------------------------------------------------------
 
+    def watch_early(self) -> None:
+        """Watch for the result before the entry is created, pipelined with the create: the
+        first wait then sends nothing (a fresh entry needs no look). The submitter calls it."""
+        self._armed = self.client.zk.exists_async(self.result_path, watch=self._on_watch)
+
+    def unwatch(self) -> None:
+        """Take back the result watch (the create it was set for failed)."""
+        if self._armed is not None:
+            self._armed = None
+            self._drop_watches(self._on_watch)
+
     def _wait_result(self, deadline: float | None) -> Result | None:
         """Wait for the result; a connection lost meanwhile is waited out (kazoo reconnects)."""
         while True:
             self._fired.clear()
             try:
                 found = self._fetch(_bound(deadline))
-                if found is None:
+                if found is None and not self._armed_empty(_bound(deadline)):
                     found = self._look(self._on_watch, _bound(deadline))
                 recheck = _RECHECK_SECONDS
             except _AWAY:
@@ -258,6 +228,12 @@ class Job(JobPaths):
             if remaining is not None and remaining <= 0:
                 return None
             self._fired.wait(recheck if remaining is None else min(remaining, recheck))
+
+    def _armed_empty(self, timeout: float | None) -> bool:
+        """Whether the early watch found no result (so it is set and nothing is there yet);
+        answers once, then the usual look takes over."""
+        call, self._armed = self._armed, None
+        return call is not None and call.get(timeout=timeout) is None
 
     def _on_watch(self, event: WatchedEvent) -> None:
         if event.type == EventType.CREATED and event.path == self.result_path:

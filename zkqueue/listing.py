@@ -9,7 +9,7 @@ from kazoo.exceptions import NoNodeError
 
 from zkqueue import counts
 from zkqueue.errors import CorruptRecord
-from zkqueue.job import PENDING, RUNNING
+from zkqueue.jobpaths import PENDING, RUNNING
 from zkqueue.layout import EntryName, Layout
 from zkqueue.records import ClaimBody
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kazoo.exceptions import NoNodeError
@@ -56,7 +56,7 @@ class ClaimBody:
     partial: str | None = None
 
     def to_bytes(self) -> bytes:
-        record = {k: v for k, v in asdict(self).items() if v is not None}
+        record = {k: v for k, v in vars(self).items() if v is not None}
         return to_json(record)
 
     @classmethod
@@ -113,7 +113,7 @@ class DeadLetter:
             return cls(**fields, raw_base64=base64.b64encode(data).decode())
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None or k == "id"}
+        return {k: v for k, v in vars(self).items() if v is not None or k == "id"}
 
     def to_bytes(self) -> bytes:
         return to_json(self.to_dict())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from zkqueue import defaults
@@ -65,7 +65,8 @@ class Result:
         return self.status == SUCCEEDED
 
     def to_dict(self) -> dict[str, Any]:
-        record = asdict(self)
+        # Shallow (vars, not asdict): asdict deep-copies, and this runs for every result.
+        record = dict(vars(self))
         extra = record.pop("extra")
         return {**extra, **record}
 

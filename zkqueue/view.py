@@ -27,9 +27,9 @@ from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
-from kazoo.protocol.states import WatchedEvent
+from kazoo.protocol.states import WatchedEvent, ZnodeStat
 
-from zkqueue import defaults
+from zkqueue import arrival, defaults
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import EntryName, Layout, bucket_name, parse_bucket
 from zkqueue.watches import remove_child_watch, remove_data_watch
@@ -88,6 +88,9 @@ class PendingView:
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
         self._parsed: dict[tuple[str, int], dict[str, EntryName]] = {}
+        #: Entries (by priority and name) the last refresh found in their tail's arrival
+        #: signal: (spec bytes, stat), so the head claims them without reading them.
+        self.arrived: dict[tuple[str, str], tuple[bytes, ZnodeStat]] = {}
 
     def invalidate(self, part: Part | None = None) -> None:
         """Mark one part, or everything, to be re-read."""
@@ -115,12 +118,17 @@ class PendingView:
         whatever the caller sent just before); list the next buckets of any priority short of
         candidates. ``await_arrivals`` follows when the caller is the head."""
         dirty, self._dirty = self._dirty, set()
+        self.arrived = {}
         # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
         names = {p for p in defaults.PRIORITIES if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
         parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
-        self._read(parts | self._uncertain(exclude), arm)
+        parts |= self._uncertain(exclude)
+        # Woken from waiting: an arrival's entry may be in the signal (zkqueue.arrival) of a
+        # tail whose watch fired.
+        peek = self._tails() & dirty if self._waiting else set()
+        self._read(parts, arm, peek=peek)
         for _ in range(8):
             more, self._dirty = self._short() | self._dirty, set()
             if not more:
@@ -141,14 +149,13 @@ class PendingView:
             busy = bool(self.claimed or have)
             signal = {p for p in waiting if not isinstance(p, str)} if busy else set()
             signal |= waiting & self.signalled
-            self._read(waiting, waiting - signal, signal)
+            self._read(waiting, waiting - signal, signal, peek=waiting & self._tails())
 
     def poll(self) -> None:
         """Re-list the tails watched through their data (the loop calls it at each heartbeat
         while this worker is head): an entry a producer created without touching the bucket's
         data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
-        tails = {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
-        self._dirty |= self.signalled & tails  # their data watches stay set: not re-armed
+        self._dirty |= self.signalled & self._tails()  # their data watches stay set: not re-armed
 
     def _uncertain(self, exclude: frozenset[str]) -> set[Part]:
         """Tails watched through their data whose listing may be stale, since neither a
@@ -191,8 +198,11 @@ class PendingView:
 
     def _wanted(self) -> set[Part]:
         """What a waiting head watches: each priority's bucket names and its tail bucket."""
-        tails = {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
-        return {*defaults.PRIORITIES, *tails}
+        return {*defaults.PRIORITIES, *self._tails()}
+
+    def _tails(self) -> set[Part]:
+        """Each priority's tail bucket, as listed."""
+        return {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
 
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
         """Unclaimed entries in dispatch order: priority rank, then bucket and sequence."""
@@ -237,26 +247,35 @@ class PendingView:
         parts: set[Part],
         arm: frozenset[Part] | set[Part] = frozenset(),
         signal: frozenset[Part] | set[Part] = frozenset(),
+        peek: frozenset[Part] | set[Part] = frozenset(),
     ) -> None:
         """List ``parts`` (pipelined: one round trip), with a child watch on those in ``arm``
         and a data watch on those in ``signal``, set before their listing (an arrival after
-        the watch fires it; one before is in the listing)."""
+        the watch fires it; one before is in the listing). Buckets in ``peek`` have their data
+        read just before their listing: an arrival's entry may be in it (``arrived``)."""
         self.armed |= (arm | signal) & parts
         self.signalled |= signal & parts
-        for part in signal & parts:
-            self.zk.exists_async(self._path(part), watch=self._watch(part))
+        data = {
+            part: self.zk.get_async(self._path(part), watch=self._watch(part))
+            for part in signal & parts
+        }
         # claims/ first (a session's requests are served in order): an entry whose claim it
         # does not show and which a later bucket listing still holds is pending, not a job
         # that completed in between (whose claim and entry both went).
         ordered = sorted(parts, key=lambda part: part != CLAIMS)
-        calls = {
-            part: self.zk.get_children_async(
-                self._path(part), watch=self._watch(part) if part in arm else None
+        calls = {}
+        for part in ordered:
+            signalled = data.get(part)
+            if signalled is None and part in peek:
+                signalled = self.zk.get_async(self._path(part))
+            listing = self.zk.get_children_async(
+                self._path(part),
+                watch=self._watch(part) if part in arm else None,
+                include_data=part in peek,
             )
-            for part in ordered
-        }
+            calls[part] = (listing, signalled if part in peek else None)
         self.listings += len(calls)
-        for part, call in calls.items():
+        for part, (call, signalled) in calls.items():
             try:
                 names = call.get()
             except NoNodeError:
@@ -266,7 +285,30 @@ class PendingView:
             elif isinstance(part, str):
                 self._store_buckets(part, names)
             elif part[1] in self.buckets.get(part[0], []):
-                self._store(part, names)
+                if signalled is None:
+                    self._store(part, names)
+                else:
+                    self._store_signalled(part, names, signalled)
+
+    def _store_signalled(self, key: tuple[str, int], listing: Any, signalled: Any) -> None:
+        """Store a bucket listed with its stat, just after its data was read: when nothing
+        changed its children since the multi that set that data, the newest entry is the one
+        the signal carries; keep it in ``arrived`` if this view had not seen it before."""
+        names, stat = listing if listing else ([], None)
+        seen = self._parsed.get(key, {})
+        self._store(key, names)
+        entries = self.listed.get(key)
+        try:
+            data, data_stat = signalled.get()
+        except NoNodeError:
+            return
+        if not entries or stat is None or data_stat.mzxid != stat.pzxid:
+            return
+        newest = entries[-1]
+        carried = arrival.decode(data)
+        if newest.leaf not in seen and carried is not None and carried[0] == newest.job_id:
+            spec = carried[1]
+            self.arrived[(key[0], newest.name)] = (spec, arrival.entry_stat(data_stat, len(spec)))
 
     def _short(self) -> set[Part]:
         """Buckets to list next: per priority, the first unlisted ones while the listed ones

@@ -1,0 +1,167 @@
+"""The arrival signal's payload: a producer's one new entry carried in its tail bucket's data, and
+the head's use of it (claiming a fresh entry without reading it) only when nothing else changed
+the bucket since."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kazoo.client import KazooClient
+
+from tests.conftest import wait_for
+from tests.runners import GateRunner, RecordingRunner
+from zkqueue import Client, arrival, defaults
+from zkqueue.layout import Layout
+from zkqueue.view import PendingView
+
+
+def _tail(client: Client, priority: str = "normal") -> bytes:
+    data, _ = client.zk.get(client.layout.bucket("default", priority, 0))
+    return data
+
+
+def _entry_data(client: Client, name: str, priority: str = "normal") -> bytes:
+    data, _ = client.zk.get(client.layout.entry("default", priority, name))
+    return data
+
+
+def test_one_entry_rides_in_its_tail_signal_and_several_or_a_large_one_do_not(
+    client: Client,
+) -> None:
+    job = client.submit("hello", detach=True)
+    assert job.entry is not None
+    assert arrival.decode(_tail(client)) == (job.id, _entry_data(client, job.entry))
+    client.submit_many(["a", "b", "c"])
+    assert _tail(client) == b""
+    client.submit("x" * (defaults.SIGNAL_SPEC_BYTES + 1), detach=True)
+    assert _tail(client) == b""
+    assert arrival.decode(b"") is None
+    assert arrival.decode(b"no separator") is None
+
+
+def _waiting_view(zk: KazooClient, layout: Layout) -> tuple[PendingView, list[Any]]:
+    """A head's view that has listed the empty queue and waits for arrivals, and the parts its
+    watches reported (the worker's loop would invalidate them)."""
+    fired: list[Any] = []
+    view = PendingView(zk, layout, "default", fired.append)
+    view.refresh()
+    view.await_arrivals(1, frozenset())
+    assert view._waiting
+    return view, fired
+
+
+def _wake(view: PendingView, fired: list[Any]) -> None:
+    """Wait for the arrival's notification and refresh as the woken head does."""
+    wait_for(lambda: ("normal", 0) in fired, message="the arrival's notification")
+    for part in fired:
+        view.invalidate(part)
+    view.refresh()
+
+
+def test_the_view_takes_a_signalled_entry_it_sees_for_the_first_time(
+    client: Client, new_zk: Any
+) -> None:
+    client.ensure_queue("default")
+    view, fired = _waiting_view(new_zk(), client.layout)
+    job = client.submit("carried", detach=True)
+    _wake(view, fired)
+    assert job.entry is not None
+    spec, stat = view.arrived[("normal", job.entry)]
+    assert spec == _entry_data(client, job.entry)
+    assert (stat.version, stat.numChildren) == (0, 0)
+    _, real = client.zk.get(client.layout.entry("default", "normal", job.entry))
+    assert (stat.czxid, stat.ctime) == (real.czxid, real.ctime)
+    view._waiting = True
+    view.refresh()  # the same entry again: no longer new, so it must be read
+    assert view.arrived == {}
+
+
+def test_an_entry_created_after_the_signal_is_never_taken_for_the_signalled_one(
+    client: Client, new_zk: Any
+) -> None:
+    """A raw producer's bare create after a signalled enqueue, here even under the same id:
+    the bucket's children changed since the signal was set, so the newest entry (the bare
+    one, with its own spec) is read, not taken for the signalled one."""
+    client.ensure_queue("default")
+    view, fired = _waiting_view(new_zk(), client.layout)
+    job = client.submit("signalled", detach=True)
+    client.zk.create(
+        client.layout.entry_prefix("default", "normal", job.id, 0),
+        b'{"prompt": "bare"}',
+        sequence=True,
+    )
+    _wake(view, fired)
+    assert view.arrived == {}
+    assert len(view.listed[("normal", 0)]) == 2
+
+
+def test_a_signal_is_not_trusted_once_an_entry_ended_in_the_bucket(
+    client: Client, new_zk: Any
+) -> None:
+    client.ensure_queue("default")
+    view, fired = _waiting_view(new_zk(), client.layout)
+    first = client.submit("first", detach=True)
+    second = client.submit("second", detach=True)
+    assert first.cancel()  # deletes the first entry: the bucket changed after the signal
+    _wake(view, fired)
+    assert view.arrived == {}
+    assert [e.job_id for e in view.listed[("normal", 0)]] == [second.id]
+
+
+def test_an_idle_head_claims_a_signalled_job_without_reading_its_entry(
+    client: Client, start_worker
+) -> None:
+    recorder = RecordingRunner()
+    handle = start_worker(recorder, slots=1)
+    view = handle.worker.view
+    client.ensure_queue("default")
+    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    reads: list[str] = []
+    zk = handle.worker.zk
+    real_get = zk.get_async
+
+    def get_async(path: str, watch: Any = None) -> Any:
+        reads.append(path)
+        return real_get(path, watch)
+
+    zk.get_async = get_async  # type: ignore[method-assign]
+    for n in range(3):
+        record = client.submit(f"job {n}").result(timeout=10)
+        assert (record.status, record.output) == ("succeeded", f"job {n}")
+    entries = client.layout.bucket("default", "normal", 0) + "/"
+    assert not [p for p in reads if p.startswith(entries)]
+    assert handle.worker.head.stats.unread == 3
+    assert recorder.seen == ["job 0", "job 1", "job 2"]
+
+
+def test_a_job_claimed_from_its_signal_is_still_fenced(
+    client: Client, start_worker, monkeypatch
+) -> None:
+    """The claim of an unread entry carries the token of a read one: a cancel while the job
+    runs (its entry not watched yet) fails the completion's check; no result but the cancel's."""
+    monkeypatch.setattr(defaults, "ENTRY_WATCH_DELAY", 60.0)
+    gate = GateRunner()
+    handle = start_worker(gate, slots=1)
+    client.ensure_queue("default")
+    view = handle.worker.view
+    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    job = client.submit("held", detach=True)
+    wait_for(gate.started.is_set, message="the job running")
+    assert handle.worker.head.stats.unread == 1
+    assert gate.running[0].claim is not None and gate.running[0].claim.token == 1
+    assert job.cancel()
+    gate.gate.set()
+    wait_for(lambda: handle.worker.busy == 0, message="the job ended")
+    assert handle.worker.stats.completed == 0
+    assert job.result(timeout=5).status == "cancelled"
+
+
+def test_a_result_that_lands_before_the_caller_waits_is_found(client: Client, start_worker) -> None:
+    """The caller's result watch is set with the create; a result written before the caller
+    asks for it fires that watch, and the wait reads it then."""
+    start_worker(slots=1)
+    client.ensure_queue("default")
+    job = client.submit("early")
+    wait_for(lambda: client.zk.exists(job.result_path) is not None, message="the result")
+    record = job.result(timeout=10)
+    assert (record.status, record.output) == ("succeeded", "early")

@@ -1,0 +1,55 @@
+"""The arrival signal: what a producer writes into the tail bucket's data when it enqueues.
+
+Every enqueue multi sets the tail bucket's data (a waiting head watches it). When the multi
+creates exactly one entry in that bucket and its spec is small, the data is that entry, as
+``<job id>\\n<spec bytes>``; otherwise it is empty. A head woken by an arrival reads the bucket's
+data just before listing it, in the same round trip: if the listing's ``pzxid`` (the last change
+to the bucket's children) equals the data's ``mzxid``, the newest entry in the listing is the
+one the data describes, created in that very multi and not claimed since it appeared (the head
+uses it only for an entry it sees for the first time), so the head claims it without reading it:
+one round trip less from submit to result on an idle queue. Any other data is ignored.
+"""
+
+from __future__ import annotations
+
+from kazoo.protocol.states import ZnodeStat
+
+from zkqueue import defaults
+
+_SEP = b"\n"
+
+
+def encode(job_id: str, spec: bytes) -> bytes:
+    """The signal for a multi that creates one entry, ``spec``, for ``job_id`` in the bucket."""
+    if len(spec) > defaults.SIGNAL_SPEC_BYTES:
+        return b""
+    return job_id.encode() + _SEP + spec
+
+
+def decode(data: bytes) -> tuple[str, bytes] | None:
+    """(job id, spec bytes) a signal carries, or None (empty, or not a signal of this form)."""
+    job_id, sep, spec = data.partition(_SEP)
+    if not sep or not job_id or not spec:
+        return None
+    try:
+        return job_id.decode(), spec
+    except UnicodeDecodeError:
+        return None
+
+
+def entry_stat(bucket: ZnodeStat, size: int) -> ZnodeStat:
+    """The stat of the entry created in the multi that set ``bucket``'s data (same zxid and
+    time); never claimed (version 0), no children. Its session is not known (0)."""
+    return ZnodeStat(
+        czxid=bucket.mzxid,
+        mzxid=bucket.mzxid,
+        ctime=bucket.mtime,
+        mtime=bucket.mtime,
+        version=0,
+        cversion=0,
+        aversion=0,
+        ephemeralOwner=0,
+        dataLength=size,
+        numChildren=0,
+        pzxid=bucket.mzxid,
+    )
