@@ -108,6 +108,32 @@ def test_a_signal_is_not_trusted_once_an_entry_ended_in_the_bucket(
     assert [e.job_id for e in view.listed[("normal", 0)]] == [second.id]
 
 
+def test_an_entry_that_arrived_while_another_worker_was_head_is_read(
+    client: Client, new_zk: Any
+) -> None:
+    """The other head may have claimed and released it (its version is no longer 0): a head
+    trusts a signal only for an entry that appeared since its own last listing of the
+    bucket, while it stayed head."""
+    client.ensure_queue("default")
+    view, _ = _waiting_view(new_zk(), client.layout)
+    view.unwatch()  # another worker is head now
+    job = client.submit("claimed elsewhere", detach=True)
+    entry = client.layout.entry("default", "normal", job.entry or "")
+    data, stat = client.zk.get(entry)
+    client.zk.set(entry, data, version=stat.version)  # as a claim (then a release) does
+    view.refresh()  # head again: its tails were left dirty when it stopped watching
+    assert view.arrived == {}
+    view.await_arrivals(2, frozenset())
+    assert view.arrived == {}
+    assert [e.job_id for e in view.listed[("normal", 0)]] == [job.id]
+
+
+def test_a_client_can_keep_specs_out_of_the_signal(hosts: str, root: str) -> None:
+    with Client(hosts, root, signal_spec_bytes=0) as quiet:
+        quiet.submit("private", detach=True)
+        assert _tail(quiet) == b""
+
+
 def test_an_idle_head_claims_a_signalled_job_without_reading_its_entry(
     client: Client, start_worker
 ) -> None:
@@ -165,3 +191,26 @@ def test_a_result_that_lands_before_the_caller_waits_is_found(client: Client, st
     wait_for(lambda: client.zk.exists(job.result_path) is not None, message="the result")
     record = job.result(timeout=10)
     assert (record.status, record.output) == ("succeeded", "early")
+
+
+def test_a_signalled_entry_with_child_nodes_ends_dead_lettered(
+    client: Client, start_worker
+) -> None:
+    """A raw multi makes an entry with a child and a signal that matches it: the head trusts
+    the signal (it cannot see the child), runs the job, fails to complete it, releases it,
+    and the next turn reads the entry and dead-letters it: its one result says so."""
+    handle = start_worker(slots=1)
+    client.ensure_queue("default")
+    view = handle.worker.view
+    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    job_id = "_00000000000000aa"
+    entry = client.layout.bucket("default", "normal", 0) + f"/{job_id}-0000000042"
+    spec = b'{"prompt": "not a job"}'
+    txn = client.zk.transaction()
+    txn.set_data(client.layout.bucket("default", "normal", 0), arrival.encode(job_id, spec))
+    txn.create(entry, spec)
+    txn.create(entry + "/child")
+    assert all(not isinstance(r, Exception) for r in txn.commit())
+    wait_for(lambda: client.dead("default"), message="the entry dead-lettered")
+    assert client.zk.exists(entry) is None
+    assert client.job(job_id, "default").result(timeout=5).status == "dead"

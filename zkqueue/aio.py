@@ -81,6 +81,7 @@ class AsyncClient:
         session_timeout: float = defaults.SESSION_TIMEOUT,
         connect_timeout: float = defaults.CONNECT_TIMEOUT,
         max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
+        signal_spec_bytes: int = defaults.SIGNAL_SPEC_BYTES,
         auth: str | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
@@ -103,7 +104,7 @@ class AsyncClient:
         self._bridge: Bridge | None = None
         self._ready: set[str] = set()
         self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
-        self._enqueue = Enqueuer(self)
+        self._enqueue = Enqueuer(self, signal_limit=signal_spec_bytes)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

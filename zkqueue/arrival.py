@@ -12,16 +12,20 @@ one round trip less from submit to result on an idle queue. Any other data is ig
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from kazoo.protocol.states import ZnodeStat
 
 from zkqueue import defaults
+from zkqueue.layout import EntryName
 
 _SEP = b"\n"
 
 
-def encode(job_id: str, spec: bytes) -> bytes:
-    """The signal for a multi that creates one entry, ``spec``, for ``job_id`` in the bucket."""
-    if len(spec) > defaults.SIGNAL_SPEC_BYTES:
+def encode(job_id: str, spec: bytes, limit: int = defaults.SIGNAL_SPEC_BYTES) -> bytes:
+    """The signal for a multi that creates one entry, ``spec``, for ``job_id`` in the bucket
+    (empty when the spec is over ``limit`` bytes)."""
+    if len(spec) > limit:
         return b""
     return job_id.encode() + _SEP + spec
 
@@ -35,6 +39,19 @@ def decode(data: bytes) -> tuple[str, bytes] | None:
         return job_id.decode(), spec
     except UnicodeDecodeError:
         return None
+
+
+def carried(
+    newest: EntryName, seen: Container[str], pzxid: int, data: bytes, stat: ZnodeStat
+) -> tuple[bytes, ZnodeStat] | None:
+    """The spec and stat of ``newest`` (the last entry of a bucket listed with ``pzxid``,
+    just after its data was read: ``data``, ``stat``) if the signal carries it: nothing
+    changed the bucket's children since the signal was set, the entry is not one of the
+    ``seen`` leaves, and it has the signal's id."""
+    found = decode(data) if stat.mzxid == pzxid and newest.leaf not in seen else None
+    if found is None or found[0] != newest.job_id:
+        return None
+    return found[1], entry_stat(stat, len(found[1]))
 
 
 def entry_stat(bucket: ZnodeStat, size: int) -> ZnodeStat:

@@ -50,6 +50,7 @@ class Client:
         session_timeout: float = defaults.SESSION_TIMEOUT,
         connect_timeout: float = defaults.CONNECT_TIMEOUT,
         max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
+        signal_spec_bytes: int = defaults.SIGNAL_SPEC_BYTES,
         auth: str | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
@@ -72,7 +73,7 @@ class Client:
         self._ready: set[str] = set()
         self._protocol_checked = False
         self._limits: Limits | None = None
-        self._enqueue = Enqueuer(self)
+        self._enqueue = Enqueuer(self, signal_limit=signal_spec_bytes)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -62,9 +62,16 @@ class _Stale(Exception):
 class Enqueuer:
     """Creates entries for one client."""
 
-    def __init__(self, client: Producer, bucket_size: int = defaults.PENDING_BUCKET) -> None:
+    def __init__(
+        self,
+        client: Producer,
+        bucket_size: int = defaults.PENDING_BUCKET,
+        signal_limit: int = defaults.SIGNAL_SPEC_BYTES,
+    ) -> None:
         self.client = client
         self.bucket_size = bucket_size
+        #: Specs up to this size ride in the arrival signal (zkqueue.arrival); 0: none do.
+        self.signal_limit = signal_limit
         #: (queue, priority) -> (tail bucket, version of the priority node) as last read.
         self._tails: dict[tuple[str, str], tuple[int, int]] = {}
 
@@ -96,13 +103,18 @@ class Enqueuer:
         order = sorted(tails)
         checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in order]
         buckets = [
-            (self.layout.bucket(q, p, tails[q, p][0]), _signal(chunk, q, p)) for q, p in order
+            (self.layout.bucket(q, p, tails[q, p][0]), self._signal(chunk, q, p)) for q, p in order
         ]
         entries = [
             (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
         ]
         call = claims.enqueue_async(self._zk(), checks, buckets, entries, ephemeral)
         return len(checks) + len(buckets), call
+
+    def _signal(self, chunk: list[Prepared], queue: str, priority: str) -> bytes:
+        """The arrival signal for one tail bucket: its one new entry, or empty for several."""
+        mine = [(jid, data) for jid, q, p, data in chunk if (q, p) == (queue, priority)]
+        return arrival.encode(*mine[0], self.signal_limit) if len(mine) == 1 else b""
 
     def create_many(self, prepared: list[Prepared], ephemeral: bool) -> list[str | None]:
         """Create every entry, ``_MULTI_CREATES`` to a multi, several multis in flight; returns
@@ -211,12 +223,6 @@ class Enqueuer:
                     f"come back within {self.settings.connect_timeout:g}s"
                 )
             time.sleep(_RECONNECT_POLL)
-
-
-def _signal(chunk: list[Prepared], queue: str, priority: str) -> bytes:
-    """The arrival signal for one tail bucket: its one new entry, or empty for several."""
-    mine = [(jid, data) for jid, q, p, data in chunk if (q, p) == (queue, priority)]
-    return arrival.encode(*mine[0]) if len(mine) == 1 else b""
 
 
 def _relative(path: str) -> str:

@@ -17,7 +17,7 @@ from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
 from zkqueue.jobpaths import PENDING, RUNNING, WITHDRAWN, JobPaths
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
-from zkqueue.watches import remove_data_watch
+from zkqueue.watches import forget_data_watch, remove_data_watch
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -87,8 +87,10 @@ class Job(JobPaths):
         self._fired = threading.Event()
         #: The read of the result, sent by the watch that reported its creation.
         self._early: Any = None
-        #: The result watch set just before the entry was created (``watch_early``).
+        #: The result watch set just before the entry was created (``watch_early``), and
+        #: the session it was set in (a new session has lost it).
         self._armed: Any = None
+        self._armed_session: Any = None
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -123,6 +125,7 @@ class Job(JobPaths):
         the submitter's attached request."""
         deadline = None if timeout is None else time.monotonic() + timeout
         sent = ""
+        self._armed = None  # each look below sets the watch it needs
         while self._result is None:
             self._fired.clear()
             with self.client.mapped():
@@ -203,13 +206,20 @@ class Job(JobPaths):
     def watch_early(self) -> None:
         """Watch for the result before the entry is created, pipelined with the create: the
         first wait then sends nothing (a fresh entry needs no look). The submitter calls it."""
-        self._armed = self.client.zk.exists_async(self.result_path, watch=self._on_watch)
+        zk = self.client.zk
+        self._armed_session = zk.client_id
+        self._armed = zk.exists_async(self.result_path, watch=self._on_watch)
 
     def unwatch(self) -> None:
-        """Take back the result watch (the create it was set for failed)."""
+        """Take back the early result watch (the create it was set for failed); without a
+        connection, from kazoo's table only, so a reconnect does not set it again."""
         if self._armed is not None:
             self._armed = None
-            self._drop_watches(self._on_watch)
+            zk = self.client.zk
+            if zk.connected:
+                self._drop_watches(self._on_watch)
+            else:
+                forget_data_watch(zk, self.result_path, self._on_watch)
 
     def _wait_result(self, deadline: float | None) -> Result | None:
         """Wait for the result; a connection lost meanwhile is waited out (kazoo reconnects)."""
@@ -217,7 +227,7 @@ class Job(JobPaths):
             self._fired.clear()
             try:
                 found = self._fetch(_bound(deadline))
-                if found is None and not self._armed_empty(_bound(deadline)):
+                if found is None and not self._armed_empty(deadline):
                     found = self._look(self._on_watch, _bound(deadline))
                 recheck = _RECHECK_SECONDS
             except _AWAY:
@@ -229,11 +239,15 @@ class Job(JobPaths):
                 return None
             self._fired.wait(recheck if remaining is None else min(remaining, recheck))
 
-    def _armed_empty(self, timeout: float | None) -> bool:
-        """Whether the early watch found no result (so it is set and nothing is there yet);
-        answers once, then the usual look takes over."""
+    def _armed_empty(self, deadline: float | None) -> bool:
+        """Whether the early watch found no result, so it is set and nothing is there yet (in
+        the same session, with time left to wait): answers once, then looks take over."""
         call, self._armed = self._armed, None
-        return call is not None and call.get(timeout=timeout) is None
+        if call is None or self.client.zk.client_id != self._armed_session:
+            return False
+        if deadline is not None and deadline <= time.monotonic():
+            return False
+        return call.get(timeout=_bound(deadline)) is None
 
     def _on_watch(self, event: WatchedEvent) -> None:
         if event.type == EventType.CREATED and event.path == self.result_path:

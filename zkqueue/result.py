@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 from dataclasses import dataclass, field
@@ -65,13 +66,18 @@ class Result:
         return self.status == SUCCEEDED
 
     def to_dict(self) -> dict[str, Any]:
-        # Shallow (vars, not asdict): asdict deep-copies, and this runs for every result.
+        """The JSON record as a dict of its own (changing it leaves the result as it is)."""
+        return copy.deepcopy(self._flat())
+
+    def _flat(self) -> dict[str, Any]:
+        """The record without copying its values (vars, not asdict: this runs for every
+        result a worker writes, and asdict deep-copies)."""
         record = dict(vars(self))
         extra = record.pop("extra")
         return {**extra, **record}
 
     def to_bytes(self, limit: int = defaults.MAX_RESULT_BYTES) -> bytes:
-        data = json.dumps(self.to_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+        data = json.dumps(self._flat(), ensure_ascii=False, separators=(",", ":")).encode()
         if len(data) > limit:
             raise ResultTooLarge(f"result record is {len(data)} bytes; the limit is {limit} bytes")
         return data

@@ -9,9 +9,9 @@ entries are dropped when a read finds them gone. Empty buckets before the tail a
 
 Watches are set only when the head runs short of candidates (it is waiting for arrivals): then on
 the bucket names and the tail bucket of each priority. While any job runs, a tail is watched
-through its data (producers touch it in every enqueue: the arrival signal) rather than its
-children, since a running job's entry stays in its bucket until it completes and its delete would
-wake the head for nothing; entries created without the signal are found by a re-listing at each
+through its data (the arrival signal, which may carry the new entry: zkqueue.arrival), not its
+children: a running job's entry stays in its bucket until its completion, whose delete would wake
+the head for nothing. Entries created without the signal are found by a re-listing at each
 heartbeat. A busy head sets none, so completions notify nobody; each turn it re-lists (unwatched)
 the bucket its first candidates come from (other workers' completions would otherwise be read as
 candidates and found gone) and the tail buckets of priorities above its best candidate, so a more
@@ -91,6 +91,9 @@ class PendingView:
         #: Entries (by priority and name) the last refresh found in their tail's arrival
         #: signal: (spec bytes, stat), so the head claims them without reading them.
         self.arrived: dict[tuple[str, str], tuple[bytes, ZnodeStat]] = {}
+        #: Tails listed since this worker last became head: only an entry that appeared after
+        #: such a listing can have come to no other head (none claimed it meanwhile).
+        self._headed: set[Part] = set()
 
     def invalidate(self, part: Part | None = None) -> None:
         """Mark one part, or everything, to be re-read."""
@@ -107,6 +110,7 @@ class PendingView:
     def forget_watches(self) -> None:
         """The session is gone, and every watch with it: re-list and re-arm everything."""
         self.invalidate()
+        self._headed.clear()
         self.armed.clear()
         self.signalled.clear()
         self.watch_claims = False
@@ -141,7 +145,8 @@ class PendingView:
         have = list(islice(self.candidates(set(exclude)), want))
         self._waiting = len(have) < want
         if self._waiting:
-            waiting = self._wanted() - self.armed
+            # A waiting head watches each priority's bucket names and its tail bucket.
+            waiting = {*defaults.PRIORITIES, *self._tails()} - self.armed
             # While jobs run (or are about to: the head claims ``have`` now), tails are watched
             # through their data, which producers touch in every enqueue: a child watch would
             # also fire when those jobs complete (a running job's entry stays in its bucket,
@@ -196,10 +201,6 @@ class PendingView:
             if self.buckets.get(p) and (p, self.buckets[p][-1]) not in self._trusted()
         }
 
-    def _wanted(self) -> set[Part]:
-        """What a waiting head watches: each priority's bucket names and its tail bucket."""
-        return {*defaults.PRIORITIES, *self._tails()}
-
     def _tails(self) -> set[Part]:
         """Each priority's tail bucket, as listed."""
         return {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
@@ -221,6 +222,7 @@ class PendingView:
         watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
         time."""
         self.watch_claims = False
+        self._headed.clear()
         for part in [
             p for p in self.armed | self.signalled if not isinstance(p, str) or p == CLAIMS
         ]:
@@ -265,15 +267,11 @@ class PendingView:
         ordered = sorted(parts, key=lambda part: part != CLAIMS)
         calls = {}
         for part in ordered:
-            signalled = data.get(part)
-            if signalled is None and part in peek:
-                signalled = self.zk.get_async(self._path(part))
-            listing = self.zk.get_children_async(
-                self._path(part),
-                watch=self._watch(part) if part in arm else None,
-                include_data=part in peek,
-            )
-            calls[part] = (listing, signalled if part in peek else None)
+            if part in peek and part not in data:
+                data[part] = self.zk.get_async(self._path(part))
+            watch = self._watch(part) if part in arm else None
+            listing = self.zk.get_children_async(self._path(part), watch, part in peek)
+            calls[part] = (listing, data.get(part) if part in peek else None)
         self.listings += len(calls)
         for part, (call, signalled) in calls.items():
             try:
@@ -293,22 +291,24 @@ class PendingView:
     def _store_signalled(self, key: tuple[str, int], listing: Any, signalled: Any) -> None:
         """Store a bucket listed with its stat, just after its data was read: when nothing
         changed its children since the multi that set that data, the newest entry is the one
-        the signal carries; keep it in ``arrived`` if this view had not seen it before."""
+        the signal carries; keep it in ``arrived`` if it appeared since this head's last
+        listing of the bucket (so no other head claimed it, as a rule: its version is still
+        0; should one have, the claim's versioned setData fails and nothing is lost)."""
         names, stat = listing if listing else ([], None)
-        seen = self._parsed.get(key, {})
+        seen = self._parsed.get(key, {}) if key in self._headed else None
+        self._headed.add(key)
         self._store(key, names)
+        if seen is None:
+            return
         entries = self.listed.get(key)
         try:
             data, data_stat = signalled.get()
         except NoNodeError:
             return
-        if not entries or stat is None or data_stat.mzxid != stat.pzxid:
-            return
-        newest = entries[-1]
-        carried = arrival.decode(data)
-        if newest.leaf not in seen and carried is not None and carried[0] == newest.job_id:
-            spec = carried[1]
-            self.arrived[(key[0], newest.name)] = (spec, arrival.entry_stat(data_stat, len(spec)))
+        if entries and stat is not None:
+            found = arrival.carried(entries[-1], seen, stat.pzxid, data, data_stat)
+            if found is not None:
+                self.arrived[(key[0], entries[-1].name)] = found
 
     def _short(self) -> set[Part]:
         """Buckets to list next: per priority, the first unlisted ones while the listed ones

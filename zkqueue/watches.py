@@ -44,12 +44,22 @@ def remove_child_watch(zk: KazooClient, path: str, watch: Callable[..., Any]) ->
     return _remove(zk, zk._child_watchers, path, watch, _CHILDREN)
 
 
-def _remove(zk: KazooClient, table: Any, path: str, watch: Any, kind: int) -> Any:
+def forget_data_watch(zk: KazooClient, path: str, watch: Callable[..., Any]) -> None:
+    """Drop ``watch`` from kazoo's table only (without a connection: a reconnect then does not
+    set it again on the server)."""
+    _forget(zk._data_watchers, path, watch)
+
+
+def _forget(table: Any, path: str, watch: Any) -> None:
     watchers = table.get(path)
     if watchers is not None:
         watchers.discard(watch)
         if not watchers:
             table.pop(path, None)
+
+
+def _remove(zk: KazooClient, table: Any, path: str, watch: Any, kind: int) -> Any:
+    _forget(table, path, watch)
     result = zk.handler.async_result()
     zk._call(_RemoveWatches(path, kind), result)
     return result
