@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from kazoo.client import KazooClient
 
 from tests.conftest import wait_for
 from tests.runners import GateRunner, RecordingRunner
 from zkqueue import Client, arrival, defaults
+from zkqueue.errors import ConfigurationError
 from zkqueue.layout import Layout
 from zkqueue.view import PendingView
 
@@ -132,6 +134,8 @@ def test_a_client_can_keep_specs_out_of_the_signal(hosts: str, root: str) -> Non
     with Client(hosts, root, signal_spec_bytes=0) as quiet:
         quiet.submit("private", detach=True)
         assert _tail(quiet) == b""
+    with pytest.raises(ConfigurationError, match="signal_spec_bytes"):
+        Client(hosts, root, signal_spec_bytes=-1)
 
 
 def test_an_idle_head_claims_a_signalled_job_without_reading_its_entry(

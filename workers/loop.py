@@ -307,6 +307,7 @@ class Worker:
         self.liveness.unsure = False
         if stray:
             log.warning("removed %d node(s) left by replies lost with the connection", len(stray))
+            self.head.drop_watches_soon()  # a lost claim's reply: it may have left the line
             self.line.invalidate()
             self.view.invalidate()
 

@@ -5,9 +5,11 @@ creates exactly one entry in that bucket and its spec is small, the data is that
 ``<job id>\\n<spec bytes>``; otherwise it is empty. A head woken by an arrival reads the bucket's
 data just before listing it, in the same round trip: if the listing's ``pzxid`` (the last change
 to the bucket's children) equals the data's ``mzxid``, the newest entry in the listing is the
-one the data describes, created in that very multi and not claimed since it appeared (the head
-uses it only for an entry it sees for the first time), so the head claims it without reading it:
-one round trip less from submit to result on an idle queue. Any other data is ignored.
+one the data describes, created in that very multi. If it appeared since the head's own last
+listing of the bucket, while it stayed head, no other head claimed it (its version is still 0),
+and the head claims it without reading it (a generated id only: others need a read anyway):
+one round trip less from submit to result on an idle queue. Should the guess be wrong, the
+claim's versioned setData fails and nothing is lost. Any other data is ignored.
 """
 
 from __future__ import annotations

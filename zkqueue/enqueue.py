@@ -27,7 +27,7 @@ from kazoo.exceptions import (
 
 from zkqueue import arrival, claims, defaults
 from zkqueue.connection import ConnectionSettings
-from zkqueue.errors import ZkqConnectionError
+from zkqueue.errors import ConfigurationError, ZkqConnectionError
 from zkqueue.layout import Layout
 from zkqueue.nodes import read_tail
 
@@ -70,6 +70,8 @@ class Enqueuer:
     ) -> None:
         self.client = client
         self.bucket_size = bucket_size
+        if signal_limit < 0:
+            raise ConfigurationError(f"signal_spec_bytes must be 0 or more, not {signal_limit}")
         #: Specs up to this size ride in the arrival signal (zkqueue.arrival); 0: none do.
         self.signal_limit = signal_limit
         #: (queue, priority) -> (tail bucket, version of the priority node) as last read.

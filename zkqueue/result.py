@@ -55,11 +55,10 @@ class Result:
 
     def __getitem__(self, key: str) -> Any:
         """Read a field by name, so a result reads like the JSON record it is."""
-        record = self.to_dict()
-        return record[key]
+        return copy.deepcopy(self._flat()[key])
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.to_dict().get(key, default)
+        return copy.deepcopy(self._flat().get(key, default))
 
     @property
     def ok(self) -> bool:

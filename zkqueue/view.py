@@ -223,6 +223,7 @@ class PendingView:
         time."""
         self.watch_claims = False
         self._headed.clear()
+        self._waiting = False  # a later refresh is no wake-up from this head's wait
         for part in [
             p for p in self.armed | self.signalled if not isinstance(p, str) or p == CLAIMS
         ]:
@@ -342,6 +343,7 @@ class PendingView:
         self.listed.pop(key, None)
         self._parsed.pop(key, None)
         self._watches.pop(key, None)
+        self._headed.discard(key)
         self.armed.discard(key)
         self.signalled.discard(key)
 
