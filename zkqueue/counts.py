@@ -4,7 +4,8 @@ bucket. Every reply stays far under ZooKeeper's 1 MB limit whatever the depth.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
@@ -12,6 +13,10 @@ from kazoo.exceptions import NoNodeError
 from zkqueue import defaults
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import RESULT_BUCKETS, EntryName, Layout, parse_bucket
+
+
+def _answer(call: Any) -> Any:
+    return call.get()
 
 
 def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[int]:
@@ -23,15 +28,26 @@ def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[
     return sorted(b for n in names if (b := parse_bucket(n)) is not None)
 
 
-def bucket_counts(zk: KazooClient, layout: Layout, queue: str) -> dict[str, list[tuple[int, int]]]:
-    """Per priority, (bucket, entries in it) in order: one stat per bucket, pipelined."""
-    listed = {p: buckets(zk, layout, queue, p) for p in defaults.PRIORITIES}
+def bucket_counts(
+    zk: KazooClient, layout: Layout, queue: str, wait: Callable[[Any], Any] = _answer
+) -> dict[str, list[tuple[int, int]]]:
+    """Per priority, (bucket, entries in it) in order: the priorities' bucket names, then one
+    stat per bucket, each round pipelined. ``wait`` takes each answer (a caller with a deadline
+    bounds it)."""
+    listings = {p: zk.get_children_async(layout.pending(queue, p)) for p in defaults.PRIORITIES}
+    listed = {}
+    for p, call in listings.items():
+        try:
+            names = wait(call)
+        except NoNodeError:
+            names = []
+        listed[p] = sorted(b for n in names if (b := parse_bucket(n)) is not None)
     calls = {
         p: [(b, zk.exists_async(layout.bucket(queue, p, b))) for b in bs]
         for p, bs in listed.items()
     }
     return {
-        p: [(b, s.numChildren if (s := c.get()) is not None else 0) for b, c in pairs]
+        p: [(b, s.numChildren if (s := wait(c)) is not None else 0) for b, c in pairs]
         for p, pairs in calls.items()
     }
 

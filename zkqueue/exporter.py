@@ -173,7 +173,7 @@ def _finish_queue(
     priority the first unclaimed entries in dispatch order (from its first bucket)."""
     zk, layout = client.zk, client.layout
     claimed = set(deadline.children(calls["claims"]))
-    pairs = counts.bucket_counts(zk, layout, queue)
+    pairs = counts.bucket_counts(zk, layout, queue, deadline.get)
     firsts = {
         p: zk.get_children_async(layout.bucket(queue, p, ps[0][0])) for p, ps in pairs.items() if ps
     }
