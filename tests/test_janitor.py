@@ -6,9 +6,11 @@ import json
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
+from workers.metrics import WorkerMetrics
 from zkqueue import Client, QueueFull
 from zkqueue.errors import ExitCode, InvalidJob, JobNotFound
 from zkqueue.janitor import Janitor, JanitorService
@@ -140,3 +142,41 @@ def test_queue_full_fails_fast(client: Client, zkq) -> None:
     assert zkq("queue-limit", "default", "none").returncode == 0
     client.limits._cache.clear()
     client.submit("5", detach=True)
+
+
+def test_a_janitor_that_loses_the_election_stops_reporting_its_gauges(
+    client: Client, new_zk
+) -> None:
+    """Only the elected janitor sets the stored-results gauges: one that finds another
+    elected (here its place in the election was lost, as with its session) clears its own, so
+    a sum over processes counts each queue's results once."""
+    client.ensure_queue("default")
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    metrics = [WorkerMetrics(r) for r in registries]
+    services = [
+        JanitorService(
+            new_zk(),
+            client.layout,
+            f"j{i}",
+            interval=0.1,
+            on_pass=metrics[i].janitor_pass,
+            on_resign=metrics[i].janitor_resigned,
+        ).start()
+        for i in range(2)
+    ]
+
+    def stored(i: int) -> float | None:
+        return registries[i].get_sample_value("zkq_results_stored", {"queue": "default"})
+
+    try:
+        wait_for(lambda: sum(s.passes > 0 for s in services) == 1, message="one leader")
+        first = next(i for i, s in enumerate(services) if s.passes > 0)
+        wait_for(lambda: stored(first) == 0, message="the leader's gauge")
+        node = services[first]._line.node
+        client.zk.delete(f"{client.layout.janitor()}/{node}")  # its place is gone
+        wait_for(lambda: services[1 - first].passes > 0, message="the other elected")
+        wait_for(lambda: stored(first) is None, message="the former leader's gauge cleared")
+        assert stored(1 - first) == 0
+    finally:
+        for s in services:
+            s.stop()

@@ -125,6 +125,7 @@ def _start_janitor(
         settings=settings,
         limits=ExpiryLimits(max_results=opts.max_results, max_bytes=opts.max_result_bytes),
         on_pass=metrics.janitor_pass,
+        on_resign=metrics.janitor_resigned,
     ).start()
 
 

@@ -178,6 +178,12 @@ class WorkerMetrics:
             self.results_stored.labels(queue).set(stored)
             self.results_bytes.labels(queue).set(report.results_bytes.get(queue, 0))
 
+    def janitor_resigned(self) -> None:
+        """Another process is the janitor now: its gauges are the ones to read (two series
+        per queue would add up to twice the results)."""
+        self.results_stored.clear()
+        self.results_bytes.clear()
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
         """Serve /metrics on ``addr:port`` from a daemon thread (port 0: any free port, read it
         back from ``server.server_port``). Stop it with ``server.shutdown()``."""

@@ -247,6 +247,7 @@ class JanitorService:
         settings: ConnectionSettings | None = None,
         limits: ExpiryLimits | None = None,
         on_pass: Callable[[PassReport], None] | None = None,
+        on_resign: Callable[[], None] | None = None,
     ) -> None:
         self._owns = zk is None
         if zk is None:
@@ -259,9 +260,12 @@ class JanitorService:
         self.zk = zk
         self.layout = layout
         self.interval = interval
-        #: Called with each pass's report (the worker's stored-results gauges).
+        #: Called with each pass's report (the worker's stored-results gauges), and when this
+        #: process finds it is no longer the janitor (they stop being its to report).
         self.on_pass = on_pass
+        self.on_resign = on_resign
         self.passes = 0
+        self._led = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._line = Line(zk, layout.janitor(), member_id, self._wake.set)
@@ -302,11 +306,21 @@ class JanitorService:
                 self._sweep()
             if not self._line.joined:
                 self._line.join()
+            if self._led:
+                # The head watches no one: its place can go unnoticed (with an expired
+                # session, say) while another process is elected. Look again each pass.
+                self._line.invalidate()
             if self._line.is_head():
+                self._led = True
                 report = self.janitor.run_pass()
                 self.passes += 1
                 if self.on_pass is not None:
                     self.on_pass(report)
+            elif self._led:
+                self._led = False
+                log.info("no longer the janitor: another process is")
+                if self.on_resign is not None:
+                    self.on_resign()
         except TRANSIENT as exc:
             # Our line node (if the session survived) is still ours: is_head() finds out. A join
             # whose reply was lost may have left a second node: the next turn sweeps it.
