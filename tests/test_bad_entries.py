@@ -6,7 +6,9 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kazoo.protocol.serialization import SetData
 
+from tests.conftest import wait_for
 from tests.runners import RecordingRunner
 from zkqueue import Client
 
@@ -87,3 +89,29 @@ def test_random_bytes_in_real_znodes_never_stop_the_worker(
     if record is not None:
         assert record.status in ("dead", "succeeded")
         client.zk.delete(client.layout.result("default", "fuzz"))
+
+
+def test_nodes_written_without_data_never_stop_a_worker(client: Client, start_worker) -> None:
+    """zkCli.sh's ``create`` with no value stores no data at all (kazoo reads None): a priority
+    node, a tail bucket and an entry written that way read as empty. The producer still finds
+    the tail, the entry is dead-lettered, and a raw entry beside a data-less tail still runs."""
+    client.ensure_queue("default")
+    layout = client.layout
+    client.zk.set(layout.pending("default", "normal"), None)
+    job = client.submit("after a data-less priority node", detach=True)
+    bare = client.zk.create(layout.entry_prefix("default", "high", "nodata", 0), sequence=True)
+    client.zk.set(bare, None)
+    runner = RecordingRunner()
+    handle = start_worker(runner)
+    assert job.result(timeout=10).ok
+    wait_for(lambda: "nodata" in str(_dead(client)), message="the data-less entry lettered")
+    view = handle.worker.view
+    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    txn = client.zk.transaction()  # a raw producer's signal with no data, in its multi
+    txn._add(SetData(layout.bucket("default", "normal", 0), None, -1))  # kazoo refuses None
+    txn.create(
+        layout.entry_prefix("default", "normal", "raw1", 0), b'{"prompt": "raw"}', sequence=True
+    )
+    assert not any(isinstance(r, Exception) for r in txn.commit())
+    assert client.job("raw1", "default").result(timeout=10).output == "raw"
+    assert runner.seen == ["after a data-less priority node", "raw"]

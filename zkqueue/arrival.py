@@ -32,9 +32,9 @@ def encode(job_id: str, spec: bytes, limit: int = defaults.SIGNAL_SPEC_BYTES) ->
     return job_id.encode() + _SEP + spec
 
 
-def decode(data: bytes) -> tuple[str, bytes] | None:
+def decode(data: bytes | None) -> tuple[str, bytes] | None:
     """(job id, spec bytes) a signal carries, or None (empty, or not a signal of this form)."""
-    job_id, sep, spec = data.partition(_SEP)
+    job_id, sep, spec = (data or b"").partition(_SEP)
     if not sep or not job_id or not spec:
         return None
     try:
@@ -44,7 +44,7 @@ def decode(data: bytes) -> tuple[str, bytes] | None:
 
 
 def carried(
-    newest: EntryName, seen: Container[str], pzxid: int, data: bytes, stat: ZnodeStat
+    newest: EntryName, seen: Container[str], pzxid: int, data: bytes | None, stat: ZnodeStat
 ) -> tuple[bytes, ZnodeStat] | None:
     """The spec and stat of ``newest`` (the last entry of a bucket listed with ``pzxid``,
     just after its data was read: ``data``, ``stat``) if the signal carries it: nothing

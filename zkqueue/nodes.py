@@ -62,5 +62,6 @@ class Ticks:
 def read_tail(zk: KazooClient, layout: Layout, queue: str, priority: str) -> tuple[int, int]:
     """A priority's tail bucket and the version of the node that names it."""
     data, stat = zk.get(layout.pending(queue, priority))
-    text = data.decode("ascii", "replace").strip()
+    # A node created without data (zkCli.sh's create with no value) reads as None.
+    text = (data or b"").decode("ascii", "replace").strip()
     return (int(text) if text.isdigit() else 0), stat.version

@@ -21,7 +21,8 @@ def read_version(zk: KazooClient, layout: Layout) -> int | None:
     except NoNodeError:
         has_queues = zk.exists(layout.queues())
         return 1 if has_queues is not None and has_queues.numChildren else None
-    text = data.decode("utf-8", "replace").strip()
+    # A node created without data (zkCli.sh's create with no value) reads as None.
+    text = (data or b"").decode("utf-8", "replace").strip()
     return int(text) if text.isdigit() else -1
 
 

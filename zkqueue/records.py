@@ -30,10 +30,10 @@ def to_json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def read_json(data: bytes, what: str) -> dict[str, Any]:
+def read_json(data: bytes | None, what: str) -> dict[str, Any]:
     """A JSON object from a node written by any client, or CorruptRecord naming ``what``."""
     try:
-        value = json.loads(data.decode("utf-8"))
+        value = json.loads((data or b"").decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise CorruptRecord(f"{what} is not valid JSON") from None
     if not isinstance(value, dict):
@@ -68,7 +68,7 @@ class ClaimBody:
             return None
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str = "claim") -> ClaimBody:
+    def from_bytes(cls, data: bytes | None, what: str = "claim") -> ClaimBody:
         raw = read_json(data, what)
         try:
             return cls(
@@ -105,8 +105,8 @@ class DeadLetter:
         return f"duplicate: job id {job_id} already has a result"
 
     @classmethod
-    def of_entry(cls, data: bytes, **fields: Any) -> DeadLetter:
-        data = data[:_RAW_LIMIT]
+    def of_entry(cls, data: bytes | None, **fields: Any) -> DeadLetter:
+        data = (data or b"")[:_RAW_LIMIT]
         try:
             return cls(**fields, raw=data.decode("utf-8"))
         except UnicodeDecodeError:
@@ -119,7 +119,7 @@ class DeadLetter:
         return to_json(self.to_dict())
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str = "dead letter") -> DeadLetter:
+    def from_bytes(cls, data: bytes | None, what: str = "dead letter") -> DeadLetter:
         raw = read_json(data, what)
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         try:

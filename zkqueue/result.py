@@ -90,7 +90,7 @@ class Result:
             return self.to_bytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str = "result") -> Result:
+    def from_bytes(cls, data: bytes | None, what: str = "result") -> Result:
         """Read a result written by any client; CorruptRecord (naming ``what``) when it is not
         JSON or lacks one of the required fields id, queue, priority and status."""
         raw = read_json(data, what)

@@ -134,8 +134,9 @@ class JobSpec:
         return cls(**fields)
 
     @classmethod
-    def from_bytes(cls, data: bytes, limit: int = defaults.MAX_SPEC_BYTES) -> JobSpec:
+    def from_bytes(cls, data: bytes | None, limit: int = defaults.MAX_SPEC_BYTES) -> JobSpec:
         """Parse an entry's data as written by any client; raise InvalidJob with the reason."""
+        data = data or b""  # a node created without data (by zkCli.sh) reads as None
         if len(data) > limit:
             raise SpecTooLarge(f"job spec is {len(data)} bytes; the limit is {limit} bytes")
         try:
