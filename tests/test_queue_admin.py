@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 
-from tests.conftest import wait_for
+from tests.conftest import registered, wait_for
 from tests.runners import GateRunner
 from workers.runners.base import Outcome, RunningJob
 from workers.runners.echo import EchoRunner
@@ -173,3 +173,18 @@ def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:
         "results_stored": {"default": 0},
         "results_bytes": {"default": 0},
     }
+
+
+def test_a_queue_a_worker_serves_is_not_deleted(zkq, client: Client, start_worker) -> None:
+    """Deleting the tree would take the worker's place in the line and its watches with it: it
+    would stay registered and never take a job again. Refused, even with --force."""
+    handle = start_worker(EchoRunner(), queue="served", name="keeper")
+    wait_for(registered(client, 1), message="the worker registered")
+    out = zkq("queue", "delete", "served", "--force")
+    assert out.returncode == ExitCode.QUEUE_FULL, out.stderr
+    assert "served by 1 worker(s) (keeper)" in out.stderr
+    assert client.submit("still served", queue="served").result(timeout=10).ok
+    handle.stop()
+    wait_for(lambda: not client.workers(), message="the worker gone")
+    out = zkq("queue", "delete", "served")
+    assert out.returncode == 0, out.stderr

@@ -13,6 +13,7 @@ from zkqueue import counts
 from zkqueue.errors import JobNotFound, QueueBusy
 from zkqueue.layout import Layout
 from zkqueue.limits import QueueSettings
+from zkqueue.registry import read_records
 
 #: Tries at a recursive delete that a concurrent create keeps from finishing.
 _DELETE_TRIES = 5
@@ -51,11 +52,7 @@ def queue_table(
 ) -> list[dict[str, Any]]:
     """One row per queue (every queue with a node, and every queue a worker serves): its
     workers, limits and depth."""
-    serving: dict[str, list[str]] = {}
-    for record in workers:
-        for queue in record.get("queues") or [record.get("queue")]:
-            if isinstance(queue, str):
-                serving.setdefault(queue, []).append(str(record.get("id")))
+    serving = _serving(workers)
     rows = []
     for queue in sorted({*names, *serving}):
         stats = queue_stats(zk, layout, queue) if queue in names else None
@@ -73,11 +70,30 @@ def queue_table(
     return rows
 
 
+def _serving(workers: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Worker ids by the queue they serve, from their registrations."""
+    serving: dict[str, list[str]] = {}
+    for record in workers:
+        for queue in record.get("queues") or [record.get("queue")]:
+            if isinstance(queue, str):
+                serving.setdefault(queue, []).append(str(record.get("id")))
+    return serving
+
+
 def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) -> dict[str, Any]:
     """Delete a queue and everything under it (results and dead letters too). Refused while
-    jobs wait or run unless ``force``; returns the numbers it had."""
+    a worker serves it (its place in the line and its watches would go with the tree), and
+    while jobs wait or run unless ``force``; returns the numbers it had."""
     if zk.exists(layout.queue(queue)) is None:
         raise JobNotFound(f"no queue {queue!r}")
+    serving = sorted(_serving(read_records(zk, layout)).get(queue, []))
+    if serving:
+        more = f" and {len(serving) - 3} more" if len(serving) > 3 else ""
+        shown = ", ".join(serving[:3]) + more
+        raise QueueBusy(
+            f"queue {queue!r} is served by {len(serving)} worker(s) ({shown}); stop them "
+            f"first (zkq workers lists them), then delete it"
+        )
     stats = queue_stats(zk, layout, queue)
     if not force and (stats["waiting"] or stats["running"]):
         raise QueueBusy(

@@ -87,8 +87,8 @@ def queue() -> None:
 @click.pass_context
 @handles_errors
 def delete(ctx: click.Context, name: str, force: bool) -> None:
-    """Delete queue NAME with its results and dead letters (refused while jobs wait or run,
-    exit 5, unless --force).
+    """Delete queue NAME with its results and dead letters (refused while a worker serves it,
+    and while jobs wait or run unless --force: exit 5).
 
     \b
     Example:
