@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,16 @@ def _corrupt_result(client: Client, tmp: Path, root: str) -> dict[str, str]:
 def _owned_root(client: Client, tmp: Path, root: str) -> dict[str, str]:
     client.zk.create(root, acl=[make_digest_acl("alice", "secret", all=True)])
     return {}
+
+
+_HELD: list[socket.socket] = []
+
+
+def _busy_port(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    """A port another listener holds for the rest of the session."""
+    held = socket.create_server(("0.0.0.0", 0))
+    _HELD.append(held)
+    return {"{port}": str(held.getsockname()[1])}
 
 
 def _full_queue(client: Client, tmp: Path, root: str) -> dict[str, str]:
@@ -170,6 +181,16 @@ CASES: dict[str, Case] = {
         ("--zk", "127.0.0.1:1", "--connect-timeout", "1", "stats"),
         ExitCode.UNAVAILABLE,
         "cannot reach ZooKeeper at 127.0.0.1:1 within 1s",
+    ),
+    "zk port not a number": Case(("--zk", "localhost:abc", "stats"), CFG, "bad ZooKeeper address"),
+    "zk port out of range": Case(("--zk", "127.0.0.1:99999", "stats"), CFG, "out of range"),
+    "zk empty": Case(("--zk", ",", "worker"), CFG, "write host:port"),
+    "metrics address": Case(("metrics", "--addr", "999.1.1.1"), CFG, "cannot serve metrics"),
+    "metrics port in use": Case(
+        ("metrics", "--port", "{port}"), CFG, "Address already in use", None, _busy_port
+    ),
+    "worker metrics port in use": Case(
+        ("worker", "--metrics-port", "{port}"), CFG, "cannot serve metrics", None, _busy_port
     ),
     "auth without password": Case(("--auth", "alice", "stats"), CFG, "USER:PASSWORD"),
     "tls file missing": Case(("--tls-ca", "/nonexistent.pem", "stats"), CFG, "no such file"),

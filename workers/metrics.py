@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from zkqueue import defaults
 from zkqueue import result as results
 from zkqueue.janitor import PassReport
+from zkqueue.serving import serve_registry
 
 #: Seconds a job waited in the queue: a fraction of a second when workers are idle, up to hours
 #: in a backlog.
@@ -187,8 +188,7 @@ class WorkerMetrics:
     def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
         """Serve /metrics on ``addr:port`` from a daemon thread (port 0: any free port, read it
         back from ``server.server_port``). Stop it with ``server.shutdown()``."""
-        server, _thread = start_http_server(port, addr, registry=self.registry)
-        return server
+        return serve_registry(self.registry, port, addr)
 
     def _know(self, queue: str) -> None:
         """Create a queue's job counters at zero the first time it is seen, so that rate() and

@@ -107,10 +107,17 @@ class ConnectionSettings:
 
 
 def connect(settings: ConnectionSettings) -> KazooClient:
-    """Start a session, or raise ZkqConnectionError with the hosts named."""
-    zk = settings.make_client()
+    """Start a session, or raise ZkqConnectionError with the hosts named (ConfigurationError
+    for a connection string that is no list of host:port)."""
+    try:
+        zk = settings.make_client()
+    except ValueError as exc:
+        raise _bad_hosts(settings.hosts, exc) from None
     try:
         zk.start(timeout=settings.connect_timeout)
+    except ValueError as exc:  # kazoo resolves some addresses only when it connects
+        close(zk)
+        raise _bad_hosts(settings.hosts, exc) from None
     except AuthFailedError:
         close(zk)
         raise AccessDenied(f"ZooKeeper at {settings.hosts} refused the credentials") from None
@@ -121,6 +128,13 @@ def connect(settings: ConnectionSettings) -> KazooClient:
             f"cannot reach ZooKeeper at {settings.hosts} within {settings.connect_timeout:g}s"
         ) from None
     return zk
+
+
+def _bad_hosts(hosts: str, exc: ValueError) -> ConfigurationError:
+    return ConfigurationError(
+        f"bad ZooKeeper address {hosts!r} (--zk, ZKQ_ZK): {exc}; "
+        "write host:port, or several separated by commas"
+    )
 
 
 def close(zk: KazooClient) -> None:

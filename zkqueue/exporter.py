@@ -31,7 +31,7 @@ from wsgiref.simple_server import WSGIServer
 from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.interfaces import IAsyncResult
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zkqueue import counts, defaults
@@ -39,6 +39,7 @@ from zkqueue.client import Client
 from zkqueue.errors import ZkqError
 from zkqueue.layout import RESULT_BUCKETS, EntryName, bucket_name
 from zkqueue.limits import QueueSettings
+from zkqueue.serving import serve_registry
 
 log = logging.getLogger("zkq.exporter")
 
@@ -365,8 +366,7 @@ def serve_cluster_metrics(
 ) -> WSGIServer:
     """Serve the cluster metrics on ``addr:port`` from a daemon thread (port 0: any free port,
     see ``server.server_port``). ``client`` must be started; stop with ``server.shutdown()``."""
-    server, _thread = start_http_server(port, addr, registry=cluster_registry(client, timeout))
-    return server
+    return serve_registry(cluster_registry(client, timeout), port, addr)
 
 
 def run_exporter(
