@@ -31,6 +31,7 @@ OPTIONAL = {
     "zkqueue.top": {"rich"},
     "zkqueue.topview": {"rich"},
     "zkqueue.exporter": {"prometheus_client"},
+    "zkqueue.serving": {"prometheus_client"},
 }
 #: The one module that builds ZooKeeper multis.
 TRANSITIONS = "zkqueue.claims"
