@@ -66,7 +66,11 @@ def test_connection_loss_before_the_create_creates_it(client: Client, monkeypatc
         ({"prompt": "x", "max_new_tokens": "12"}, InvalidJob, "max_new_tokens must be an integer"),
         ({"prompt": "x", "temperature": float("nan")}, InvalidJob, "temperature"),
         ({"prompt": "x", "queue": "bad/name"}, InvalidJob, "bad queue name"),
-        ({"prompt": "x", "colour": "red"}, InvalidJob, "unknown job parameter"),
+        (
+            {"prompt": "x", "colour": "red"},
+            InvalidJob,
+            "unknown job parameter",
+        ),
         ({"prompt": "x" * 70000}, SpecTooLarge, "limit is 65536 bytes"),
     ],
 )

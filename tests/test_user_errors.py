@@ -63,6 +63,13 @@ def _busy_port(client: Client, tmp: Path, root: str) -> dict[str, str]:
     return {"{port}": str(held.getsockname()[1])}
 
 
+def _served(client: Client, tmp: Path, root: str) -> dict[str, str]:
+    """A registration that serves the default queue (no worker takes jobs)."""
+    record = json.dumps({"id": "idle", "queue": "default"}).encode()
+    client.zk.create(client.layout.worker("idle"), record, ephemeral=True, makepath=True)
+    return {}
+
+
 def _full_queue(client: Client, tmp: Path, root: str) -> dict[str, str]:
     client.set_max_pending("default", 1)
     client.submit("first", detach=True)
@@ -102,6 +109,7 @@ CASES: dict[str, Case] = {
     # -- names --------------------------------------------------------------------------------
     "queue with slash": Case(("submit", "--queue", "a/b", "x"), U, "bad queue name 'a/b'"),
     "empty queue": Case(("submit", "--queue", "", "x"), U, "bad queue name ''"),
+    "queue starting with a dot": Case(("submit", "--queue", ".x", "x"), U, "not starting with '.'"),
     "queue with space": Case(("ls", "--queue", "my queue"), U, "bad queue name"),
     "queue dot-dot": Case(("dead", "--queue", ".."), U, "bad queue name '..'"),
     "bad job id": Case(("status", "bad id!"), U, "bad job id"),
@@ -167,6 +175,13 @@ CASES: dict[str, Case] = {
     "delete busy queue": Case(
         ("queue", "delete", "default"), ExitCode.QUEUE_FULL, "--force", None, _detached
     ),
+    "attached timeout": Case(
+        ("submit", "--timeout", "0.5", "x"),
+        ExitCode.TIMEOUT,
+        "has no result after 0.5s; its attached request was withdrawn",
+        None,
+        _served,
+    ),
     "no result yet": Case(
         ("result", "{id}"), ExitCode.TIMEOUT, "has no result yet", None, _detached
     ),
@@ -223,15 +238,25 @@ def test_user_error(name: str, zkq, client: Client, tmp_path: Path, root: str) -
 
 
 def test_bulk_file_reports_bad_lines_and_submits_the_rest(zkq, client: Client) -> None:
-    data = b'{"prompt": "one"}\n\xff\xfe\n{"prompt": ""}\n"caf\\udce9"\n{"prompt": "two"}\n'
+    data = (
+        b'{"prompt": "one"}\n\xff\xfe\n{"prompt": ""}\n"caf\\udce9"\n{"prompt": "two"}\n'
+        b'{"prompt": "open"\n{"prompt": "x", "colour": "red"}\n'
+    )
     out = zkq("submit", "--detach", "--file", "-", input=data)
     assert out.returncode == ExitCode.USAGE, out.stderr
-    refused = {2: "not valid UTF-8", 3: "prompt must not be empty", 4: "prompt is not valid UTF-8"}
+    refused = {
+        2: "not valid UTF-8",
+        3: "prompt must not be empty",
+        4: "prompt is not valid UTF-8",
+        6: "not valid JSON: Expecting ',' delimiter at column 18",
+        7: "unknown field(s): colour (known: prompt, priority, queue, max_new_tokens,",
+    }
     for line, why in refused.items():
         assert f"zkq: line {line}: {why}" in out.stderr
     records = [json.loads(x) for x in out.stdout.splitlines()]
-    assert [r["line"] for r in records] == [1, 2, 3, 4, 5]
-    assert [r.get("status") for r in records] == [None, "invalid", "invalid", "invalid", None]
+    assert [r["line"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    statuses = [r.get("status") for r in records]
+    assert statuses == [None, "invalid", "invalid", "invalid", None, "invalid", "invalid"]
     assert len(client.list()) == 2  # the good lines went through
 
 

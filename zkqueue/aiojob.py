@@ -21,7 +21,7 @@ from kazoo.protocol.states import WatchedEvent
 
 from zkqueue import claims
 from zkqueue.connection import TRANSIENT, mapped_errors
-from zkqueue.errors import JobTimeout, JobWithdrawn, ZkqConnectionError
+from zkqueue.errors import JobWithdrawn, ZkqConnectionError
 from zkqueue.jobpaths import JobPaths
 from zkqueue.records import ClaimBody
 from zkqueue.result import Result
@@ -148,7 +148,7 @@ class AsyncJob(JobPaths):
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             self.abandon()
-            raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
+            raise self.timed_out(timeout)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(recheck if remaining is None else min(remaining, recheck)):
                 await self._wake.wait()

@@ -45,8 +45,11 @@ def read_lines(lines: Iterable[str | bytes], *, limit: int) -> list[Line]:
         if not text.strip():
             continue
         try:
-            raw = json.loads(text)
+            raw = json.loads(text.strip())
             parse_submission(raw, limit=limit)
+        except json.JSONDecodeError as exc:  # its own "line 1 column N" would be misread
+            out.append(Line(number, error=f"not valid JSON: {exc.msg} at column {exc.colno}"))
+            continue
         except (ValueError, InvalidJob) as exc:
             out.append(Line(number, error=str(exc)))
             continue

@@ -112,10 +112,7 @@ class Job(JobPaths):
         with self.client.mapped():
             found = self._wait_result(deadline)
         if found is None:
-            self._drop_watches(self._on_watch)
-            if self.owned and not self.detach:
-                self.withdraw()
-            raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
+            raise self._give_up(timeout)
         return self._accept(found)
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
@@ -141,10 +138,7 @@ class Job(JobPaths):
                 return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                self._drop_watches(self._on_watch)
-                if self.owned and not self.detach:
-                    self.withdraw()
-                raise JobTimeout(f"job {self.id} has no result after {timeout:g}s")
+                raise self._give_up(timeout)
             self._fired.wait(
                 _RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS)
             )
@@ -170,6 +164,13 @@ class Job(JobPaths):
         except CorruptRecord:
             partial = None
         return partial or "", None
+
+    def _give_up(self, timeout: float | None) -> JobTimeout:
+        """Stop waiting: take the watches back, withdraw the submitter's attached request."""
+        self._drop_watches(self._on_watch)
+        if self.owned and not self.detach:
+            self.withdraw()
+        return self.timed_out(timeout)
 
     def _accept(self, found: Result) -> Result:
         if self.owned and not self.detach and not self.keep_result:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zkqueue.errors import JobTimeout
 from zkqueue.watches import remove_data_watch
 
 PENDING = "pending"
@@ -22,6 +23,8 @@ class JobPaths:
     queue: str
     priority: str
     entry: str | None
+    owned: bool
+    detach: bool
 
     def __repr__(self) -> str:
         name, fields = type(self).__name__, (self.id, self.queue, self.priority)
@@ -42,6 +45,11 @@ class JobPaths:
     @property
     def result_path(self) -> str:
         return str(self.client.layout.result(self.queue, self.id))
+
+    def timed_out(self, timeout: float | None) -> JobTimeout:
+        """The error of a wait that gave up (the submitter's attached request is withdrawn)."""
+        withdrawn = "; its attached request was withdrawn" if self.owned and not self.detach else ""
+        return JobTimeout(f"job {self.id} has no result after {timeout:g}s{withdrawn}")
 
     def _drop_watches(self, watch: Any) -> None:
         """Take back the watches a wait that gave up left on the result and the claim (they

@@ -40,7 +40,10 @@ RESULT_BUCKETS = tuple(f"{i:02x}" for i in range(256))
 
 def check_queue(name: str) -> str:
     if not isinstance(name, str) or not _QUEUE_RE.match(name):
-        raise InvalidJob(f"bad queue name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        raise InvalidJob(
+            f"bad queue name {name!r}: use 1-64 letters, digits, '_', '.', '-', "
+            "not starting with '.' or '-'"
+        )
     return name
 
 

@@ -273,4 +273,8 @@ def parse_submission(
         raise InvalidJob("no prompt")
     prompt = "" if prompt is None else prompt
     mnt = fields.pop("max_new_tokens", max_new_tokens)
+    unknown = sorted(set(fields) - set(PARAMS))
+    if unknown:
+        known = ", ".join(("prompt", "priority", "queue", "max_new_tokens", *PARAMS))
+        raise InvalidJob(f"unknown field(s): {', '.join(map(str, unknown))} (known: {known})")
     return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit))

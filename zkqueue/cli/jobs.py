@@ -146,7 +146,7 @@ def submit(
         except JobTimeout:
             if job is None or timeout is None:
                 raise
-            raise JobTimeout(f"job {job.id} has no result after {timeout:g}s") from None
+            raise job.timed_out(timeout) from None  # the whole wait, not what was left of it
         except KeyboardInterrupt:
             raise Interrupted(_interrupted(job)) from None
     _print_result(record, as_json)
@@ -230,8 +230,8 @@ def result(
 
     \b
     Examples:
-      zkq result 8f3a2c1d9e4b7a60
-      zkq result 8f3a2c1d9e4b7a60 --wait --timeout 60 --json
+      zkq result _8f3a2c1d9e4b7a60
+      zkq result _8f3a2c1d9e4b7a60 --wait --timeout 60 --json
     """
     if timeout is not None and not wait:
         raise click.UsageError("--timeout applies only with --wait")
@@ -259,7 +259,7 @@ def status(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) ->
 
     \b
     Example:
-      zkq status 8f3a2c1d9e4b7a60 --json
+      zkq status _8f3a2c1d9e4b7a60 --json
     """
     with open_client(ctx) as client:
         info = client.job(job_id, queue).info()
@@ -286,7 +286,7 @@ def cancel(ctx: click.Context, job_id: str, queue: str | None) -> None:
 
     \b
     Example:
-      zkq cancel 8f3a2c1d9e4b7a60
+      zkq cancel _8f3a2c1d9e4b7a60
     """
     with open_client(ctx) as client:
         if not client.job(job_id, queue).cancel():

@@ -143,7 +143,7 @@ def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | Non
 
     \b
     Examples:
-      zkq requeue 8f3a2c1d9e4b7a60
+      zkq requeue _8f3a2c1d9e4b7a60
       zkq requeue --all --queue llama
     """
     if bool(job_id) == all_:
