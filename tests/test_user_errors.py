@@ -165,6 +165,9 @@ CASES: dict[str, Case] = {
     "cancel nothing": Case(("cancel", ID, "--queue", "default"), NF, "no job"),
     "requeue nothing dead": Case(("requeue", ID), NF, f"no dead letter for job {ID}"),
     "delete no queue": Case(("queue", "delete", "nosuch"), NF, "no queue 'nosuch'"),
+    "ls no queue": Case(("ls", "--queue", "nosuch"), NF, "no queue 'nosuch'"),
+    "dead no queue": Case(("dead", "--queue", "nosuch"), NF, "no queue 'nosuch'"),
+    "limits of no queue": Case(("queue-limit", "nosuch"), NF, "no queue 'nosuch'"),
     # -- the state of the queue ---------------------------------------------------------------
     "no worker required": Case(
         ("submit", "--require-worker", "x"), ExitCode.QUEUE_FULL, "no registered worker serves"

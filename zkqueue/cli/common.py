@@ -13,7 +13,7 @@ import click
 
 from zkqueue.client import Client
 from zkqueue.connection import ConnectionSettings
-from zkqueue.errors import ExitCode, InvalidJob, ZkqError
+from zkqueue.errors import ExitCode, InvalidJob, JobNotFound, ZkqError
 from zkqueue.result import Result
 from zkqueue.sizes import parse_size
 
@@ -51,6 +51,21 @@ def open_client(ctx: click.Context, timeout: float | None = None) -> Client:
     if timeout is not None:
         settings["connect_timeout"] = min(settings["connect_timeout"], timeout)
     return Client(o["zk"], o["root"], **settings)
+
+
+def require_queue(client: Client, queue: str) -> None:
+    """A queue a command was asked about by name must exist (exit 3), not read as empty."""
+    if queue not in client.queue_names():
+        raise JobNotFound(f"no queue {queue!r} (zkq queues lists them)")
+
+
+def named(ctx: click.Context, param: str) -> bool:
+    """Whether the user gave ``param`` (on the command line or in the environment)."""
+    source = ctx.get_parameter_source(param)
+    return source in (
+        click.core.ParameterSource.COMMANDLINE,
+        click.core.ParameterSource.ENVIRONMENT,
+    )
 
 
 def checked(check: Callable[[str], str]) -> Callable[..., Any]:

@@ -17,8 +17,10 @@ from zkqueue.cli.common import (
     emit,
     exit_for,
     handles_errors,
+    named,
     open_client,
     read_stdin,
+    require_queue,
 )
 from zkqueue.errors import ExitCode, Interrupted, JobTimeout
 from zkqueue.job import Job
@@ -311,6 +313,8 @@ def ls(ctx: click.Context, queue: str, limit: int, all_: bool, as_json: bool) ->
       zkq ls --all --json
     """
     with open_client(ctx) as client:
+        if named(ctx, "queue"):
+            require_queue(client, queue)
         rows = client.list(queue=queue, limit=None if all_ else limit)
     if as_json:
         emit(rows)

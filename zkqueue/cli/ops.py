@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import click
 
-from zkqueue.cli.common import SECONDS, checked, emit, handles_errors, open_client
+from zkqueue.cli.common import (
+    SECONDS,
+    checked,
+    emit,
+    handles_errors,
+    open_client,
+    require_queue,
+)
 from zkqueue.layout import check_job_id, check_queue
 
 
@@ -86,6 +93,8 @@ def dead(ctx: click.Context, queue: str | None, as_json: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
     with open_client(ctx) as client:
+        if queue is not None:
+            require_queue(client, queue)
         letters = client.dead(queue)
     if as_json:
         emit(letters)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from zkqueue.cli.common import checked, emit, handles_errors, open_client
+from zkqueue.cli.common import checked, emit, handles_errors, open_client, require_queue
 from zkqueue.layout import check_queue
 from zkqueue.limits import LIMITS, QueueSettings
 
@@ -140,6 +140,7 @@ def queue_limit(
         if changes:
             settings = client.set_limits(name, **changes)
         else:
+            require_queue(client, name)
             with client.mapped():
                 settings = client.limits.settings(name)
     click.echo(f"{name}: {_limits_text(settings)}")
