@@ -7,6 +7,7 @@ import json
 from tests.conftest import wait_for
 from zkqueue import Client
 from zkqueue.errors import ExitCode
+from zkqueue.spec import JobSpec
 
 
 def test_submit_waits_and_prints_output(zkq, spawn_worker, client: Client) -> None:
@@ -122,3 +123,26 @@ def test_environment_fallbacks(hosts: str, root: str, client: Client) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert client.job(out.stdout.strip()).status() == "pending"
+
+
+def test_submit_sets_every_spec_field_and_takes_an_id(zkq, client: Client) -> None:
+    """The generation fields a JSONL line can set are options too, and --job-id makes a
+    submit idempotent: the second one returns the first job, and enqueues nothing."""
+    args = ("--detach", "--job-id", "nightly.1", "--stop", "END", "--stop", "###")
+    out = zkq("submit", *args, "--min-new-tokens", "2", "--ignore-eos", "report")
+    assert (out.returncode, out.stdout.strip()) == (0, "nightly.1"), out.stderr
+    job = client.job("nightly.1", "default")
+    data, _ = client.zk.get(job.entry_path or "")
+    spec = JobSpec.from_bytes(data)
+    assert (spec.prompt, spec.stop, spec.min_new_tokens, spec.ignore_eos) == (
+        "report",
+        ("END", "###"),
+        2,
+        True,
+    )
+    again = zkq("submit", "--detach", "--job-id", "nightly.1", "report")
+    assert (again.returncode, again.stdout.strip()) == (0, "nightly.1"), again.stderr
+    assert [row["id"] for row in client.list()] == ["nightly.1"]
+    plain = zkq("submit", "--detach", "plain")
+    data, _ = client.zk.get(client.job(plain.stdout.strip(), "default").entry_path or "")
+    assert (JobSpec.from_bytes(data).stop, JobSpec.from_bytes(data).ignore_eos) == (None, False)

@@ -109,6 +109,7 @@ CASES: dict[str, Case] = {
     # -- names --------------------------------------------------------------------------------
     "queue with slash": Case(("submit", "--queue", "a/b", "x"), U, "bad queue name 'a/b'"),
     "empty queue": Case(("submit", "--queue", "", "x"), U, "bad queue name ''"),
+    "reserved job id": Case(("submit", "--job-id", "_mine", "x"), U, "for '--job-id'"),
     "queue starting with a dot": Case(("submit", "--queue", ".x", "x"), U, "not starting with '.'"),
     "queue with space": Case(("ls", "--queue", "my queue"), U, "bad queue name"),
     "queue dot-dot": Case(("dead", "--queue", ".."), U, "bad queue name '..'"),

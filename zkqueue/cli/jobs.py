@@ -24,7 +24,7 @@ from zkqueue.cli.common import (
 )
 from zkqueue.errors import ExitCode, Interrupted, JobTimeout
 from zkqueue.job import Job
-from zkqueue.layout import check_job_id, check_queue
+from zkqueue.layout import check_job_id, check_new_job_id, check_queue
 from zkqueue.result import Result
 
 
@@ -53,6 +53,15 @@ from zkqueue.result import Result
 @click.option("--temperature", type=float, default=None)
 @click.option("--top-p", type=float, default=None)
 @click.option("--seed", type=int, default=None)
+@click.option("--min-new-tokens", type=int, default=None, help="Tokens to generate at least.")
+@click.option("--stop", multiple=True, help="Stop at this text (repeat for several).")
+@click.option("--ignore-eos", is_flag=True, default=None, help="Generate past end-of-sequence.")
+@click.option(
+    "--job-id",
+    default=None,
+    callback=checked(check_new_job_id),
+    help="Your id for the job: submitting it again returns the same job (idempotent).",
+)
 @click.option("--max-runtime", type=SECONDS, default=None, help="Seconds the job may run.")
 @click.option(
     "--queue-timeout",
@@ -104,9 +113,10 @@ def submit(
       zkq submit --priority high "Translate: bonjour"
       echo "long prompt" | zkq submit --max-new-tokens 128 --json
       zkq submit --detach "batch job"        # prints the job id
+      zkq submit --detach --job-id nightly.2026-12-03 "report"   # once, however often run
       zkq submit --file prompts.jsonl --out results.jsonl
     """
-    extra = {k: v for k, v in params.items() if v is not None}
+    extra = {k: v for k, v in params.items() if v is not None and v != ()}
     _check_flags(prompt, file_, out, detach, timeout, stream, as_json, extra)
     if file_ is not None:
         options = {"priority": priority, "queue": queue, "max_new_tokens": max_new_tokens}
