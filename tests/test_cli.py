@@ -22,6 +22,8 @@ def test_submit_waits_and_prints_output(zkq, spawn_worker, client: Client) -> No
         "from stdin",
         "normal",
     )
+    out = zkq("submit", input="piped\n\n")  # echo's line ending goes, the prompt's own stays
+    assert (out.returncode, out.stdout) == (0, "piped\n\n"), out.stderr
 
 
 def test_detached_job_lifecycle(zkq, spawn_worker, client: Client) -> None:

@@ -84,14 +84,16 @@ def checked(check: Callable[[str], str]) -> Callable[..., Any]:
 
 
 def read_stdin() -> str:
-    """The prompt from stdin, which must be UTF-8 (a usage error otherwise)."""
+    """The prompt from stdin, which must be UTF-8 (a usage error otherwise), without the one
+    line ending that ``echo`` or a text file adds."""
     data = sys.stdin.buffer.read()
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidJob(
             f"stdin is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})"
         ) from None
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def connection_settings(ctx: click.Context) -> ConnectionSettings:
