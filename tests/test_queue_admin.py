@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import threading
 
+from kazoo.exceptions import NotEmptyError
+
 from tests.conftest import registered, wait_for
 from tests.runners import GateRunner
 from workers.runners.base import Outcome, RunningJob
@@ -188,3 +190,30 @@ def test_a_queue_a_worker_serves_is_not_deleted(zkq, client: Client, start_worke
     wait_for(lambda: not client.workers(), message="the worker gone")
     out = zkq("queue", "delete", "served")
     assert out.returncode == 0, out.stderr
+
+
+def test_a_worker_and_a_producer_survive_their_queue_deleted_under_them(
+    client: Client, start_worker
+) -> None:
+    """A queue's tree removed by hand (zkCli.sh's deleteall) while a worker serves it and a
+    producer knows it: the head finds its place gone at its next heartbeat and makes the queue
+    again, and the producer's next submit does the same; the job runs."""
+    handle = start_worker(EchoRunner(), queue="gone", slots=2)
+    assert client.submit("before", queue="gone").result(timeout=10).ok
+    wait_for(lambda: handle.worker.line.known is True, message="the worker at the head")
+
+    def deleted() -> bool:
+        try:
+            client.zk.delete(client.layout.queue("gone"), recursive=True)
+        except NotEmptyError:  # the worker made a node meanwhile: again
+            return False
+        return True
+
+    wait_for(deleted, message="the queue deleted")
+    line = client.layout.line("gone")
+    wait_for(lambda: client.zk.exists(line) is not None, message="the worker making it again")
+    record = client.submit("after", queue="gone").result(timeout=15)
+    assert (record.status, record.output) == ("succeeded", "after")
+    wait_for(deleted, message="the queue deleted again")  # now the producer makes it first
+    record = client.submit("again", queue="gone").result(timeout=15)
+    assert (record.status, record.output) == ("succeeded", "again")

@@ -1,9 +1,7 @@
 """The worker loop: stand in the line, claim what fits when at its head, hand each job to the
-runner at once, complete each as soon as it ends, and survive connection trouble.
-
-The loop wires four parts, each with its own small state: the head turn (``workers.head``: what to
-claim), the runner bridge (``workers.bridge``: jobs in, outcomes out, entry watches, streaming),
-completion (``workers.completion``: fenced, coalesced writes) and liveness
+runner at once, complete each as soon as it ends, and survive connection trouble. It wires the
+head turn (``workers.head``), the runner bridge (``workers.bridge``: jobs in, outcomes out, entry
+watches, streaming), completion (``workers.completion``: fenced, coalesced writes) and liveness
 (``workers.liveness``: session states, leases, heartbeats). All ZooKeeper state is touched from
 the loop's thread only; watches, the connection listener and the runner just post events.
 """
@@ -75,7 +73,8 @@ class Worker:
         self._events: queue_mod.Queue[tuple[Any, ...]] = queue_mod.Queue()
         #: Jobs this worker holds a claim on, by entry name.
         self.held: dict[str, RunningJob] = {}
-        self.line = Line(zk, self.layout.line(self.queue), self.id, lambda: self._post(Event.LINE))
+        on_line = lambda: self._post(Event.LINE)  # noqa: E731
+        self.line = Line(zk, self.layout.line(self.queue), self.id, on_line, self._queue_gone)
         self.view = PendingView(zk, self.layout, self.queue, lambda p: self._post(Event.PENDING, p))
         self.claims = Claims(zk, self.layout, self.queue, self.id, lease=opts.lease)
         record = WorkerRecord(
@@ -119,8 +118,6 @@ class Worker:
         self._drain_deadline: float | None = None
         self._release_deadline: float | None = None
         self._queue_empty = False
-
-    # -- public ------------------------------------------------------------------------------
 
     @property
     def zk_session_timeout(self) -> float:
@@ -200,6 +197,7 @@ class Worker:
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
         if beat and self.line.known:
             self.view.poll()  # entries created without the arrival signal
+            self.line.invalidate()  # the head watches no one: is its place still there?
         if beat and self.on_heartbeat is not None:
             self.on_heartbeat(self)
         live.maybe_renew(self._stats.claimed, len(self.completer))
@@ -298,10 +296,15 @@ class Worker:
             jobs.append(RunningJob.from_claim(claim, pages))
         self.bridge.hand_in(jobs)
 
+    def _queue_gone(self) -> None:
+        """The queue was deleted under us: make it again, re-read all (the watches went too)."""
+        log.warning("queue %s was deleted under this worker: creating it again", self.queue)
+        protocol.ensure_dirs(self.zk, self.layout, self.queue)
+        self.view.forget_watches()
+
     def _sweep(self) -> None:
-        """A call failed with the connection: what it wrote may have committed unseen. Remove
-        this session's claims and line places the loop does not know about, and set the entry
-        watches that could not be set."""
+        """A call failed with the connection, so its writes may have committed unseen: remove
+        our unknown claims and line places, set the entry watches that could not be set."""
         stray = self.claims.sweep(self.line, set(self.held))
         self.bridge.watch([j for j in self.held.values() if not j.watched])
         self.liveness.unsure = False

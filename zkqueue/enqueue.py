@@ -25,7 +25,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 
-from zkqueue import arrival, claims, defaults
+from zkqueue import arrival, claims, defaults, protocol
 from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ConfigurationError, ZkqConnectionError
 from zkqueue.layout import Layout
@@ -96,7 +96,11 @@ class Enqueuer:
         threads: the asyncio client enqueues on pool threads)."""
         found = self._tails.get((queue, priority))
         if found is None:
-            found = read_tail(self._zk(), self.layout, queue, priority)
+            try:
+                found = read_tail(self._zk(), self.layout, queue, priority)
+            except NoNodeError:  # the queue was deleted since this client made it: again
+                protocol.ensure_dirs(self._zk(), self.layout, queue)
+                found = read_tail(self._zk(), self.layout, queue, priority)
             self._tails[(queue, priority)] = found
         return found
 

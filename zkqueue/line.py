@@ -28,8 +28,11 @@ class Line:
         directory: str,
         worker_id: str,
         on_change: Callable[[], None],
+        on_missing: Callable[[], None] | None = None,
     ) -> None:
         self.zk = zk
+        #: Makes the line's directory again when a join finds it gone (its queue was deleted).
+        self._on_missing = on_missing
         self.directory = directory
         self.worker_id = worker_id
         self.node: str | None = None
@@ -47,15 +50,20 @@ class Line:
         return self.node is not None
 
     def join(self) -> None:
-        path = self.zk.create(
-            member_prefix(self.directory),
-            self.worker_id.encode(),
-            ephemeral=True,
-            sequence=True,
-        )
+        try:
+            path = self._create()
+        except NoNodeError:
+            if self._on_missing is None:
+                raise
+            self._on_missing()
+            path = self._create()
         self.node = path.rsplit("/", 1)[1]
         self._head = None
         self._likely = self._alone
+
+    def _create(self) -> str:
+        prefix, me = member_prefix(self.directory), self.worker_id.encode()
+        return str(self.zk.create(prefix, me, ephemeral=True, sequence=True))
 
     def leave(self) -> None:
         if self.node is None:
@@ -119,16 +127,25 @@ class Line:
     def settle(self, call: Any) -> bool:
         """is_head() from a listing started by ``ask_async``."""
         if call is not None and self._head is None:
-            place = self._place(call.get())
+            place = self._place(self._names(call))
             self._head = self._ask_head() if place is None else place
         return self.is_head()
 
     def _ask_head(self) -> bool:
         while self.node is not None:
-            place = self._place(self.zk.get_children(self.directory))
+            place = self._place(self._names(self.zk.get_children_async(self.directory)))
             if place is not None:
                 return place
         return False
+
+    def _names(self, call: Any) -> list[str]:
+        """The line's members from a listing; none when the line itself is gone (its queue was
+        deleted: our node went with it, and the caller makes the line again to rejoin)."""
+        try:
+            names: list[str] = call.get()
+        except NoNodeError:
+            return []
+        return names
 
     def _place(self, names: list[str]) -> bool | None:
         """Whether we are first among ``names``; if not, watch the predecessor (None: it left

@@ -277,8 +277,10 @@ class PendingView:
         for part, (call, signalled) in calls.items():
             try:
                 names = call.get()
-            except NoNodeError:
+            except NoNodeError:  # and no watch was set: the next refresh lists it again
                 names = []
+                self.armed.discard(part)
+                self.signalled.discard(part)
             if part == CLAIMS:
                 self.claimed = set(names)
             elif isinstance(part, str):
@@ -290,11 +292,9 @@ class PendingView:
                     self._store_signalled(part, names, signalled)
 
     def _store_signalled(self, key: tuple[str, int], listing: Any, signalled: Any) -> None:
-        """Store a bucket listed with its stat, just after its data was read: when nothing
-        changed its children since the multi that set that data, the newest entry is the one
-        the signal carries; keep it in ``arrived`` if it appeared since this head's last
-        listing of the bucket (so no other head claimed it, as a rule: its version is still
-        0; should one have, the claim's versioned setData fails and nothing is lost)."""
+        """Store a bucket listed with its stat just after its data was read; keep its newest
+        entry in ``arrived`` if the signal carries it (zkqueue.arrival) and it appeared since
+        this head's last listing of the bucket (so, as a rule, no other head claimed it)."""
         names, stat = listing if listing else ([], None)
         seen = self._parsed.get(key, {}) if key in self._headed else None
         self._headed.add(key)
