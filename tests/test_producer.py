@@ -138,3 +138,25 @@ def test_submit_many_whose_multi_reply_was_lost_enqueues_each_job_once(
     assert sent == ([100, 100, 50] if committed else [100, 100, 50, 100])
     entries = _all_entries(client)
     assert sorted(entries) == sorted(j.entry for j in jobs) and len(set(entries)) == 250
+
+
+def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:
+    """Lines that carry a job_id are looked up first: one already pending (or finished) is
+    not enqueued again, nor one given twice in the batch, so a batch cut short by an error
+    can simply be sent again."""
+    first = client.submit_many([{"prompt": "a", "job_id": "batch.1"}, "generated"])
+    assert [j.existing for j in first] == [False, False]
+    again = client.submit_many(
+        [
+            {"prompt": "a", "job_id": "batch.1"},
+            {"prompt": "b", "job_id": "batch.2"},
+            {"prompt": "b", "job_id": "batch.2"},
+        ]
+    )
+    assert [j.id for j in again] == ["batch.1", "batch.2", "batch.2"]
+    assert [j.existing for j in again] == [True, False, False]
+    ids = sorted(e for e in _all_entries(client))
+    assert [i.split("/")[1].rsplit("-", 1)[0] for i in ids].count("batch.2") == 1
+    assert len(ids) == 3  # batch.1, the generated one, batch.2
+    with pytest.raises(InvalidJob, match="reserved for the ids zkq generates"):
+        client.submit_many([{"prompt": "x", "job_id": "_mine"}])

@@ -264,6 +264,15 @@ def test_bulk_file_reports_bad_lines_and_submits_the_rest(zkq, client: Client) -
     assert len(client.list()) == 2  # the good lines went through
 
 
+def test_a_file_with_job_ids_can_be_submitted_twice(zkq, client: Client) -> None:
+    data = b'{"prompt": "one", "job_id": "f.1"}\n{"prompt": "two", "job_id": "f.2"}\n'
+    for _ in range(2):
+        out = zkq("submit", "--detach", "--file", "-", input=data)
+        assert out.returncode == 0, out.stderr
+        assert [json.loads(x)["id"] for x in out.stdout.splitlines()] == ["f.1", "f.2"]
+    assert sorted(row["id"] for row in client.list()) == ["f.1", "f.2"]
+
+
 def test_python_api_refuses_text_that_is_not_utf8(client: Client) -> None:
     from zkqueue.errors import InvalidJob
 

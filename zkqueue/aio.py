@@ -27,11 +27,10 @@ from kazoo.interfaces import IAsyncResult
 
 from zkqueue import counts, defaults, protocol
 from zkqueue.aiojob import AsyncJob
-from zkqueue.client import new_job_id
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import ZkqConnectionError
-from zkqueue.layout import Layout, check_priority, check_queue
+from zkqueue.layout import Layout, check_priority, check_queue, new_job_id
 from zkqueue.limits import QueueSettings, check_counts
 from zkqueue.spec import build_spec
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -18,12 +17,12 @@ from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import Job
 from zkqueue.layout import (
-    GENERATED_ID_PREFIX,
     Layout,
     check_job_id,
     check_new_job_id,
     check_priority,
     check_queue,
+    new_job_id,
 )
 from zkqueue.limits import Limits, QueueSettings
 from zkqueue.queues import delete_queue, queue_stats, queue_table
@@ -31,12 +30,6 @@ from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
 from zkqueue.result import Result
 from zkqueue.spec import build_spec, parse_submission
-
-
-def new_job_id() -> str:
-    """A unique job id (``_`` and 16 random hex digits: workers skip the duplicate check for
-    ids of this form); it also goes into the entry's name so a retried create can find it."""
-    return GENERATED_ID_PREFIX + secrets.token_hex(8)
 
 
 class Client:
@@ -176,21 +169,39 @@ class Client:
         max_new_tokens: int | None = None,
         detach: bool = True,
     ) -> list[Job]:
-        """Enqueue many jobs with pipelined creates. Each spec is a prompt or a mapping with
-        ``prompt`` and optional ``priority``, ``queue``, ``max_new_tokens`` and job parameters.
-        Every spec is validated before anything is written."""
+        """Enqueue many jobs with pipelined creates, each a prompt or a mapping with ``prompt``
+        and optional ``priority``, ``queue``, ``max_new_tokens``, ``job_id`` and job parameters,
+        all validated first. A ``job_id`` already there (or given twice) is not enqueued again:
+        its job comes back with ``existing`` set, so a batch can be submitted again safely."""
+        specs = list(specs)
         prepared = [
             self._prepare(i, s, priority, queue, max_new_tokens) for i, s in enumerate(specs)
         ]
+        chosen = {(p[1], p[0]) for p, s in zip(prepared, specs, strict=True) if _chosen_id(s)}
+        firsts = {(p[1], p[0]): p for p in reversed(prepared)}  # an id given twice: once
         with self.mapped():
             for q in {p[1] for p in prepared}:
                 self.ensure_queue(q)
-                self.limits.check_room(q, sum(1 for p in prepared if p[1] == q))
-            names = self._enqueue.create_many(prepared, ephemeral=not detach)
-        return [
-            Job(self, jid, q, p, name, detach=detach, owned=True)
-            for (jid, q, p, _), name in zip(prepared, names, strict=True)
-        ]
+            known = self._known_jobs(chosen)
+            fresh = [p for p in prepared if firsts[p[1], p[0]] is p and (p[1], p[0]) not in known]
+            for q in {p[1] for p in fresh}:
+                self.limits.check_room(q, sum(1 for p in fresh if p[1] == q))
+            names = self._enqueue.create_many(fresh, ephemeral=not detach)
+        made = {
+            (q, jid): Job(self, jid, q, p, name, detach=detach, owned=True)
+            for (jid, q, p, _), name in zip(fresh, names, strict=True)
+        }
+        return [known.get((q, jid)) or made[q, jid] for jid, q, _, _ in prepared]
+
+    def _known_jobs(self, keys: set[tuple[str, str]]) -> dict[tuple[str, str], Job]:
+        """The jobs already there under chosen ids, by (queue, id), marked ``existing``."""
+        known = {}
+        for queue, job_id in sorted(keys):
+            found = self._find_job(queue, job_id)
+            if found is not None:
+                found.existing = True
+                known[queue, job_id] = found
+        return known
 
     def _prepare(
         self,
@@ -210,7 +221,7 @@ class Client:
             )
         except InvalidJob as exc:
             raise type(exc)(f"spec #{index}: {exc}") from None
-        return new_job_id(), sub.queue, sub.priority, sub.data
+        return sub.job_id or new_job_id(), sub.queue, sub.priority, sub.data
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -379,3 +390,7 @@ class Client:
             queues = record.get("queues") or [record.get("queue")]
             served.update(q for q in queues if isinstance(q, str))
         return served
+
+
+def _chosen_id(spec: str | Mapping[str, Any]) -> bool:
+    return isinstance(spec, Mapping) and spec.get("job_id") is not None

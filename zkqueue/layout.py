@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from dataclasses import dataclass
 
 from zkqueue import defaults
@@ -87,6 +88,12 @@ def check_job_id(job_id: str) -> str:
 #: an id is new by construction, so a worker does not look for an earlier result before
 #: running it; ids a user chooses may not start with it (docs/PROTOCOL.md).
 GENERATED_ID_PREFIX = "_"
+
+
+def new_job_id() -> str:
+    """A unique job id (``_`` and 16 random hex digits: workers skip the duplicate check for
+    ids of this form); it also goes into the entry's name so a retried create can find it."""
+    return GENERATED_ID_PREFIX + secrets.token_hex(8)
 
 
 def is_generated_id(job_id: str) -> bool:

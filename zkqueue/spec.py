@@ -249,6 +249,8 @@ class Submission:
     queue: str
     priority: str
     data: bytes
+    #: The id the submitter chose (None: zkq generates one).
+    job_id: str | None = None
 
 
 def parse_submission(
@@ -261,13 +263,16 @@ def parse_submission(
 ) -> Submission:
     """Validate one job given as a prompt or as a mapping with ``prompt`` and optional
     ``priority``, ``queue``, ``max_new_tokens`` and job parameters (a line of a JSONL file)."""
-    from zkqueue.layout import check_priority, check_queue
+    from zkqueue.layout import check_new_job_id, check_priority, check_queue
 
     if not isinstance(raw, str | Mapping):
         raise InvalidJob(f"a job must be a prompt or a JSON object, not {type(raw).__name__}")
     fields: dict[str, Any] = {"prompt": raw} if isinstance(raw, str) else dict(raw)
     prio = check_priority(fields.pop("priority", priority))
     target = check_queue(fields.pop("queue", queue))
+    job_id = fields.pop("job_id", None)
+    if job_id is not None:
+        check_new_job_id(job_id)
     prompt = fields.pop("prompt", None)
     if prompt is None and "messages" not in fields:
         raise InvalidJob("no prompt")
@@ -275,6 +280,6 @@ def parse_submission(
     mnt = fields.pop("max_new_tokens", max_new_tokens)
     unknown = sorted(set(fields) - set(PARAMS))
     if unknown:
-        known = ", ".join(("prompt", "priority", "queue", "max_new_tokens", *PARAMS))
+        known = ", ".join(("prompt", "priority", "queue", "max_new_tokens", "job_id", *PARAMS))
         raise InvalidJob(f"unknown field(s): {', '.join(map(str, unknown))} (known: {known})")
-    return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit))
+    return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit), job_id)
