@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 from kazoo.exceptions import ConnectionLoss
 
-from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError, claims, counts
+from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError, bulk, claims, counts
 from zkqueue.errors import JobNotFound
 
 
@@ -160,3 +161,26 @@ def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:
     assert len(ids) == 3  # batch.1, the generated one, batch.2
     with pytest.raises(InvalidJob, match="reserved for the ids zkq generates"):
         client.submit_many([{"prompt": "x", "job_id": "_mine"}])
+
+
+def test_waiting_on_a_batch_ends_for_an_entry_gone_without_a_result(client: Client) -> None:
+    """A line whose job's entry goes without a result (an earlier run's attached request,
+    withdrawn with its session) is reported, not waited for; two lines naming one job share
+    its record."""
+    lines = bulk.read_lines(
+        [b'{"prompt": "a", "job_id": "w.1"}', b'{"prompt": "a", "job_id": "w.1"}'], limit=65536
+    )
+    bulk.submit_lines(
+        client, lines, priority="normal", queue="default", max_new_tokens=None, detach=True
+    )
+    job = lines[0].job
+    assert job is not None and lines[1].job is job
+    client.zk.delete(job.entry_path or "")  # withdrawn: no result will come
+    started = time.monotonic()
+    records = list(bulk.results(lines, timeout=30))
+    assert time.monotonic() - started < 5
+    assert [(r["line"], r["id"], r["status"]) for r in records] == [
+        (1, "w.1", "unfinished"),
+        (2, "w.1", "unfinished"),
+    ]
+    assert "withdrawn" in records[0]["error"]

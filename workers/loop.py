@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import KazooState
 
 from workers.admission import Admission
@@ -120,11 +121,6 @@ class Worker:
         self._queue_empty = False
 
     @property
-    def zk_session_timeout(self) -> float:
-        """Seconds a crashed predecessor's ephemeral nodes may linger."""
-        return float(getattr(self.zk, "_session_timeout", 10000)) / 1000 + 1
-
-    @property
     def busy(self) -> int:
         return len(self.held)
 
@@ -156,7 +152,7 @@ class Worker:
         self.zk.add_listener(self._on_state)
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()
-        self.registry.register(wait=self.zk_session_timeout)
+        self.registry.register(wait=self.registry.session_lifetime())
         self.bridge.start()
         self.state = State.RUNNING
         self.registry.record.state = self.state
@@ -241,7 +237,7 @@ class Worker:
         elif kind == Event.STOP:
             self._begin_stop(event[1])
         elif kind == Event.REJOIN:
-            self.registry.register(wait=self.zk_session_timeout)
+            self.registry.register(wait=self.registry.session_lifetime())
 
     def _should_exit(self) -> bool:
         if self.state == State.STOPPED:
@@ -275,7 +271,10 @@ class Worker:
             self.head.drop_watches()
             return
         if not self.line.joined:
-            self.line.join()
+            try:
+                self.line.join()
+            except NoNodeError:  # the queue is being deleted under us: again at the next step
+                return
         if self.line.known is False:
             self.head.drop_watches()
             return  # waiting for the predecessor to leave
@@ -300,6 +299,7 @@ class Worker:
         """The queue was deleted under us: make it again, re-read all (the watches went too)."""
         log.warning("queue %s was deleted under this worker: creating it again", self.queue)
         protocol.ensure_dirs(self.zk, self.layout, self.queue)
+        self.zk.ensure_path(self.layout.line(self.queue))  # a delete under way may skip the above
         self.view.forget_watches()
 
     def _sweep(self) -> None:

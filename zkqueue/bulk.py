@@ -92,14 +92,15 @@ def _not_utf8(data: bytes, exc: UnicodeDecodeError) -> str:
 def results(lines: list[Line], timeout: float | None) -> Iterator[dict[str, Any]]:
     """One JSON record per line, as the jobs end (refused lines first): the result, or the
     line's error. ``timeout`` bounds the whole wait, not each job's. One watch per result node
-    says when it appears; every round reads what is new in one pipelined round trip."""
+    says when it appears; every round reads what is new in one pipelined round trip. Lines
+    that name one job (a job_id given twice) share its record."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    waiting: dict[str, Line] = {}
+    waiting: dict[tuple[str, str], list[Line]] = {}
     for line in lines:
         if line.job is None:
             yield {"line": line.number, "status": "invalid", "error": line.error}
         else:
-            waiting[line.job.id] = line
+            waiting.setdefault((line.job.queue, line.job.id), []).append(line)
     fired = threading.Event()
 
     def notify(_event: object) -> None:
@@ -108,26 +109,37 @@ def results(lines: list[Line], timeout: float | None) -> Iterator[dict[str, Any]
     while waiting:
         fired.clear()
         ended = _ended(waiting, notify)
-        for job_id in ended:
-            line = waiting.pop(job_id)
-            yield {"line": line.number, **_record(line, 0.0)}
+        for key in ended:
+            for line in waiting.pop(key):
+                yield {"line": line.number, **_record(line, 0.0)}
         left = None if deadline is None else deadline - time.monotonic()
         if waiting and left is not None and left <= 0:
-            for line in waiting.values():
-                yield {"line": line.number, **_record(line, 0.0)}
+            for group in waiting.values():
+                for line in group:
+                    yield {"line": line.number, **_record(line, 0.0)}
             return
         if waiting and not ended:
             fired.wait(_RECHECK if left is None else min(left, _RECHECK))
 
 
-def _ended(waiting: dict[str, Line], notify: Callable[[object], None]) -> list[str]:
-    """Ids of the waiting jobs whose result exists now (watching the others' result nodes)."""
+def _ended(
+    waiting: dict[tuple[str, str], list[Line]], notify: Callable[[object], None]
+) -> list[tuple[str, str]]:
+    """The waiting jobs that ended: their result exists, or their entry went without one (a
+    withdrawn request, say of an earlier run whose job this line's id named). The entry is
+    read before the result: a completion removes the one and writes the other at once."""
     calls = []
-    for job_id, line in waiting.items():
-        assert line.job is not None
-        zk = line.job.client.zk
-        calls.append((job_id, zk.exists_async(line.job.result_path, watch=notify)))
-    return [job_id for job_id, call in calls if call.get() is not None]
+    for key, group in waiting.items():
+        job = group[0].job
+        assert job is not None
+        zk, entry = job.client.zk, job.entry_path
+        gone = zk.exists_async(entry) if entry else None
+        calls.append((key, gone, zk.exists_async(job.result_path, watch=notify)))
+    return [
+        key
+        for key, gone, result in calls
+        if result.get() is not None or (gone is not None and gone.get() is None)
+    ]
 
 
 def _record(line: Line, timeout: float) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import counts, defaults, listing, protocol
+from zkqueue import counts, defaults, listing, lookup, protocol
 from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.deadletters import dead_result, list_dead, purge, requeue
 from zkqueue.enqueue import Enqueuer
-from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound, ZkqConnectionError
+from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
 from zkqueue.job import Job
 from zkqueue.layout import (
     Layout,
@@ -28,7 +28,6 @@ from zkqueue.limits import Limits, QueueSettings
 from zkqueue.queues import delete_queue, queue_stats, queue_table
 from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
-from zkqueue.result import Result
 from zkqueue.spec import build_spec, parse_submission
 
 
@@ -141,7 +140,7 @@ class Client:
         with self.mapped():
             self.ensure_queue(queue)
             if job_id is not None:
-                found = self._find_job(queue, check_new_job_id(job_id))
+                found = self.find_job(queue, check_new_job_id(job_id))
                 if found is not None:
                     found.existing = True
                     return found
@@ -182,7 +181,7 @@ class Client:
         with self.mapped():
             for q in {p[1] for p in prepared}:
                 self.ensure_queue(q)
-            known = self._known_jobs(chosen)
+            known = lookup.known_jobs(self, chosen)
             fresh = [p for p in prepared if firsts[p[1], p[0]] is p and (p[1], p[0]) not in known]
             for q in {p[1] for p in fresh}:
                 self.limits.check_room(q, sum(1 for p in fresh if p[1] == q))
@@ -192,16 +191,6 @@ class Client:
             for (jid, q, p, _), name in zip(fresh, names, strict=True)
         }
         return [known.get((q, jid)) or made[q, jid] for jid, q, _, _ in prepared]
-
-    def _known_jobs(self, keys: set[tuple[str, str]]) -> dict[tuple[str, str], Job]:
-        """The jobs already there under chosen ids, by (queue, id), marked ``existing``."""
-        known = {}
-        for queue, job_id in sorted(keys):
-            found = self._find_job(queue, job_id)
-            if found is not None:
-                found.existing = True
-                known[queue, job_id] = found
-        return known
 
     def _prepare(
         self,
@@ -228,61 +217,30 @@ class Client:
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
         """The entry name (``<bucket>/<id>-<seq>``) of a job in one priority: a running job's
         from its claim, else by listing the priority's buckets newest first."""
-        running = self._claimed_entry(queue, job_id)
+        running = lookup.claimed_entry(self, queue, job_id)
         if running is not None:
             prio, _, name = running.partition("/")
             if prio == priority:
                 return name
         return counts.find(self.zk, self.layout, queue, priority, job_id)
 
-    def _claimed_entry(self, queue: str, job_id: str) -> str | None:
-        """``<priority>/<bucket>/<id>-<seq>`` of a running job, from its claim."""
-        try:
-            data, _ = self.zk.get(self.layout.claim(queue, job_id))
-        except NoNodeError:
-            return None
-        try:
-            return ClaimBody.from_bytes(data, f"claim {queue}/{job_id}").entry
-        except CorruptRecord:
-            return None
+    def find_job(self, queue: str, job_id: str) -> Job | None:
+        """A job by id in one queue: its result, its claim (running) or its entry."""
+        self.check_protocol()
+        return lookup.find_job(self, queue, job_id)
 
     def job(self, job_id: str, queue: str | None = None) -> Job:
         """Find a job by id in one queue, or in every queue when ``queue`` is None."""
         check_job_id(job_id)
         with self.mapped():
             for q in [check_queue(queue)] if queue else self.queue_names():
-                found = self._find_job(q, job_id)
+                found = self.find_job(q, job_id)
                 if found is not None:
                     return found
             dead = dead_result(self.dead(queue), job_id)
             if dead is not None:  # known only by its dead letter (its result is gone)
                 return Job(self, job_id, dead.queue, dead.priority, result=dead)
         raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
-
-    def _find_job(self, queue: str, job_id: str) -> Job | None:
-        """A job by id: its result, its claim (running), or its entry (by listing buckets).
-        The result is read again last: a job that ended while we looked has one by then."""
-        self.check_protocol()
-        found = self._finished(queue, job_id)
-        if found is not None:
-            return found
-        running = self._claimed_entry(queue, job_id)
-        if running is not None:
-            priority, _, entry = running.partition("/")
-            return Job(self, job_id, queue, priority, entry)
-        for priority in defaults.PRIORITIES:
-            name = counts.find(self.zk, self.layout, queue, priority, job_id)
-            if name is not None:
-                return Job(self, job_id, queue, priority, name)
-        return self._finished(queue, job_id)
-
-    def _finished(self, queue: str, job_id: str) -> Job | None:
-        try:
-            data, _ = self.zk.get(self.layout.result(queue, job_id))
-        except NoNodeError:
-            return None
-        record = Result.from_bytes(data, f"result of job {job_id} in queue {queue!r}")
-        return Job(self, job_id, queue, record.priority)
 
     def queue_names(self) -> list[str]:
         with self.mapped():

@@ -111,3 +111,29 @@ def find(zk: KazooClient, layout: Layout, queue: str, priority: str, job_id: str
             if leaf is not None:
                 return f"{bucket:010d}/{leaf}"
     return None
+
+
+def find_many(
+    zk: KazooClient, layout: Layout, queue: str, job_ids: set[str]
+) -> dict[str, tuple[str, str]]:
+    """The (priority, entry name) of each of ``job_ids`` pending or running in the queue, in
+    one pass over its buckets (each listed once, pipelined 16 at a time), whatever their
+    number: what a batch of chosen ids costs to look up."""
+    found: dict[str, tuple[str, str]] = {}
+    for priority in defaults.PRIORITIES:
+        numbers = buckets(zk, layout, queue, priority)
+        for start in range(0, len(numbers), 16):
+            calls = [
+                (b, zk.get_children_async(layout.bucket(queue, priority, b)))
+                for b in numbers[start : start + 16]
+            ]
+            for bucket, call in calls:
+                try:
+                    leaves = call.get()
+                except NoNodeError:
+                    continue
+                for leaf in leaves:
+                    job_id = leaf.rpartition("-")[0]
+                    if job_id in job_ids and job_id not in found:
+                        found[job_id] = (priority, f"{bucket:010d}/{leaf}")
+    return found

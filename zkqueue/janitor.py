@@ -268,7 +268,8 @@ class JanitorService:
         self._led = False
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._line = Line(zk, layout.janitor(), member_id, self._wake.set)
+        election = layout.janitor()
+        self._line = Line(zk, election, member_id, self._wake.set, lambda: zk.ensure_path(election))
         self._thread = threading.Thread(target=self._run, name="zkq-janitor", daemon=True)
         #: A call failed with the connection: a join may have committed unseen (see _sweep).
         self._unsure = False

@@ -63,6 +63,10 @@ class Registry:
     def path(self) -> str:
         return self.layout.worker(self.record.id)
 
+    def session_lifetime(self) -> float:
+        """Seconds a crashed predecessor's ephemeral nodes may linger (a session's timeout)."""
+        return float(getattr(self.zk, "_session_timeout", 10000)) / 1000 + 1
+
     def register(self, wait: float = 0.0) -> None:
         """Create the node. A node left by an earlier session with this worker's name (a crashed
         process restarted by systemd) is waited out for up to ``wait`` seconds."""

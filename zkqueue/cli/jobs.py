@@ -55,7 +55,7 @@ from zkqueue.result import Result
 @click.option("--seed", type=int, default=None)
 @click.option("--min-new-tokens", type=int, default=None, help="Tokens to generate at least.")
 @click.option("--stop", multiple=True, help="Stop at this text (repeat for several).")
-@click.option("--ignore-eos", is_flag=True, default=None, help="Generate past end-of-sequence.")
+@click.option("--ignore-eos", is_flag=True, help="Generate past end-of-sequence.")
 @click.option(
     "--job-id",
     default=None,
@@ -116,7 +116,8 @@ def submit(
       zkq submit --detach --job-id nightly.2026-12-03 "report"   # once, however often run
       zkq submit --file prompts.jsonl --out results.jsonl
     """
-    extra = {k: v for k, v in params.items() if v is not None and v != ()}
+    # Options not given: None, an empty --stop, an unset flag (identity: 0.0 is a value).
+    extra = {k: v for k, v in params.items() if v is not None and v != () and v is not False}
     _check_flags(prompt, file_, out, detach, timeout, stream, as_json, extra)
     if file_ is not None:
         options = {"priority": priority, "queue": queue, "max_new_tokens": max_new_tokens}
