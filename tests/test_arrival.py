@@ -141,11 +141,15 @@ def test_a_client_can_keep_specs_out_of_the_signal(hosts: str, root: str) -> Non
 def test_an_idle_head_claims_a_signalled_job_without_reading_its_entry(
     client: Client, start_worker
 ) -> None:
+    """The first job a fresh worker's waiting head hears of rides in the tail's signal. (Later
+    ones do too when the head listed the tail after the previous job ended; one submitted
+    sooner is read: BENCHMARKS.md counts how often.)"""
     recorder = RecordingRunner()
     handle = start_worker(recorder, slots=1)
     view = handle.worker.view
     client.ensure_queue("default")
-    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    # The head listed the tail with its data as it began to wait: it has been head since.
+    wait_for(lambda: ("normal", 0) in view._headed, message="the idle head watching the tail")
     reads: list[str] = []
     zk = handle.worker.zk
     real_get = zk.get_async
@@ -155,13 +159,12 @@ def test_an_idle_head_claims_a_signalled_job_without_reading_its_entry(
         return real_get(path, watch)
 
     zk.get_async = get_async  # type: ignore[method-assign]
-    for n in range(3):
-        record = client.submit(f"job {n}").result(timeout=10)
-        assert (record.status, record.output) == ("succeeded", f"job {n}")
+    record = client.submit("job 0").result(timeout=10)
+    assert (record.status, record.output) == ("succeeded", "job 0")
     entries = client.layout.bucket("default", "normal", 0) + "/"
     assert not [p for p in reads if p.startswith(entries)]
-    assert handle.worker.head.stats.unread == 3
-    assert recorder.seen == ["job 0", "job 1", "job 2"]
+    assert handle.worker.head.stats.unread == 1
+    assert recorder.seen == ["job 0"]
 
 
 def test_a_job_claimed_from_its_signal_is_still_fenced(
@@ -174,7 +177,7 @@ def test_a_job_claimed_from_its_signal_is_still_fenced(
     handle = start_worker(gate, slots=1)
     client.ensure_queue("default")
     view = handle.worker.view
-    wait_for(lambda: ("normal", 0) in view.armed, message="the idle head watching the tail")
+    wait_for(lambda: ("normal", 0) in view._headed, message="the idle head watching the tail")
     job = client.submit("held", detach=True)
     wait_for(gate.started.is_set, message="the job running")
     assert handle.worker.head.stats.unread == 1
