@@ -13,7 +13,6 @@ from tests.conftest import wait_for
 from tests.runners import GateRunner, RecordingRunner
 from zkqueue import Client, arrival, defaults
 from zkqueue.errors import ConfigurationError
-from zkqueue.layout import Layout
 from zkqueue.view import PendingView
 
 
@@ -41,11 +40,12 @@ def test_one_entry_rides_in_its_tail_signal_and_several_or_a_large_one_do_not(
     assert arrival.decode(b"no separator") is None
 
 
-def _waiting_view(zk: KazooClient, layout: Layout) -> tuple[PendingView, list[Any]]:
-    """A head's view that has listed the empty queue and waits for arrivals, and the parts its
-    watches reported (the worker's loop would invalidate them)."""
+def _waiting_view(client: Client, zk: KazooClient) -> tuple[PendingView, list[Any]]:
+    """A head's view (on its own session ``zk``) that has listed the empty queue and waits for
+    arrivals, and the parts its watches reported (the worker's loop would invalidate them)."""
+    client.ensure_queue("default")
     fired: list[Any] = []
-    view = PendingView(zk, layout, "default", fired.append)
+    view = PendingView(zk, client.layout, "default", fired.append)
     view.refresh()
     view.await_arrivals(1, frozenset())
     assert view._waiting
@@ -63,8 +63,7 @@ def _wake(view: PendingView, fired: list[Any]) -> None:
 def test_the_view_takes_a_signalled_entry_it_sees_for_the_first_time(
     client: Client, new_zk: Any
 ) -> None:
-    client.ensure_queue("default")
-    view, fired = _waiting_view(new_zk(), client.layout)
+    view, fired = _waiting_view(client, new_zk())
     job = client.submit("carried", detach=True)
     _wake(view, fired)
     assert job.entry is not None
@@ -84,8 +83,7 @@ def test_an_entry_created_after_the_signal_is_never_taken_for_the_signalled_one(
     """A raw producer's bare create after a signalled enqueue, here even under the same id:
     the bucket's children changed since the signal was set, so the newest entry (the bare
     one, with its own spec) is read, not taken for the signalled one."""
-    client.ensure_queue("default")
-    view, fired = _waiting_view(new_zk(), client.layout)
+    view, fired = _waiting_view(client, new_zk())
     job = client.submit("signalled", detach=True)
     client.zk.create(
         client.layout.entry_prefix("default", "normal", job.id, 0),
@@ -100,8 +98,7 @@ def test_an_entry_created_after_the_signal_is_never_taken_for_the_signalled_one(
 def test_a_signal_is_not_trusted_once_an_entry_ended_in_the_bucket(
     client: Client, new_zk: Any
 ) -> None:
-    client.ensure_queue("default")
-    view, fired = _waiting_view(new_zk(), client.layout)
+    view, fired = _waiting_view(client, new_zk())
     first = client.submit("first", detach=True)
     second = client.submit("second", detach=True)
     assert first.cancel()  # deletes the first entry: the bucket changed after the signal
@@ -116,8 +113,7 @@ def test_an_entry_that_arrived_while_another_worker_was_head_is_read(
     """The other head may have claimed and released it (its version is no longer 0): a head
     trusts a signal only for an entry that appeared since its own last listing of the
     bucket, while it stayed head."""
-    client.ensure_queue("default")
-    view, _ = _waiting_view(new_zk(), client.layout)
+    view, _ = _waiting_view(client, new_zk())
     view.unwatch()  # another worker is head now
     job = client.submit("claimed elsewhere", detach=True)
     entry = client.layout.entry("default", "normal", job.entry or "")

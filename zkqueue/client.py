@@ -22,10 +22,11 @@ from zkqueue.layout import (
     check_new_job_id,
     check_priority,
     check_queue,
+    is_generated_id,
     new_job_id,
 )
 from zkqueue.limits import Limits, QueueSettings
-from zkqueue.queues import delete_queue, queue_stats, queue_table
+from zkqueue.queues import delete_queue, queue_stats, queue_table, serving_workers
 from zkqueue.records import ClaimBody
 from zkqueue.registry import read_records
 from zkqueue.spec import build_spec, parse_submission
@@ -172,11 +173,11 @@ class Client:
         and optional ``priority``, ``queue``, ``max_new_tokens``, ``job_id`` and job parameters,
         all validated first. A ``job_id`` already there (or given twice) is not enqueued again:
         its job comes back with ``existing`` set, so a batch can be submitted again safely."""
-        specs = list(specs)
         prepared = [
             self._prepare(i, s, priority, queue, max_new_tokens) for i, s in enumerate(specs)
         ]
-        chosen = {(p[1], p[0]) for p, s in zip(prepared, specs, strict=True) if _chosen_id(s)}
+        # The ids a submitter chose (zkq's own start with "_", which no submitter may use).
+        chosen = {(q, jid) for jid, q, _, _ in prepared if not is_generated_id(jid)}
         firsts = {(p[1], p[0]): p for p in reversed(prepared)}  # an id given twice: once
         with self.mapped():
             for q in {p[1] for p in prepared}:
@@ -343,12 +344,4 @@ class Client:
 
     def served_queues(self) -> set[str]:
         """Queues at least one registered worker serves."""
-        served: set[str] = set()
-        for record in self.workers():
-            queues = record.get("queues") or [record.get("queue")]
-            served.update(q for q in queues if isinstance(q, str))
-        return served
-
-
-def _chosen_id(spec: str | Mapping[str, Any]) -> bool:
-    return isinstance(spec, Mapping) and spec.get("job_id") is not None
+        return set(serving_workers(self.workers()))

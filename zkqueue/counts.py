@@ -25,7 +25,29 @@ def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[
         names = zk.get_children(layout.pending(queue, priority))
     except NoNodeError:
         return []
+    return _numbers(names)
+
+
+def _numbers(names: list[str]) -> list[int]:
+    """The bucket numbers among a priority's child names, in order."""
     return sorted(b for n in names if (b := parse_bucket(n)) is not None)
+
+
+def _leaves(
+    zk: KazooClient, layout: Layout, queue: str, priority: str, numbers: list[int]
+) -> Iterator[tuple[int, list[str]]]:
+    """Each of these buckets with its children, listed in the order given, 16 pipelined at a
+    time (a bucket deleted meanwhile is skipped)."""
+    for start in range(0, len(numbers), 16):
+        calls = [
+            (b, zk.get_children_async(layout.bucket(queue, priority, b)))
+            for b in numbers[start : start + 16]
+        ]
+        for bucket, call in calls:
+            try:
+                yield bucket, call.get()
+            except NoNodeError:
+                continue
 
 
 def bucket_counts(
@@ -41,7 +63,7 @@ def bucket_counts(
             names = wait(call)
         except NoNodeError:
             names = []
-        listed[p] = sorted(b for n in names if (b := parse_bucket(n)) is not None)
+        listed[p] = _numbers(names)
     calls = {
         p: [(b, zk.exists_async(layout.bucket(queue, p, b))) for b in bs]
         for p, bs in listed.items()
@@ -97,19 +119,11 @@ def find(zk: KazooClient, layout: Layout, queue: str, priority: str, job_id: str
     """The entry name of a job id in one priority: its buckets are listed newest first,
     pipelined a few at a time (a lost reply's entry is in the tail)."""
     prefix = f"{job_id}-"
-    numbers = buckets(zk, layout, queue, priority)[::-1]
-    for start in range(0, len(numbers), 16):
-        calls = [
-            (b, zk.get_children_async(layout.bucket(queue, priority, b)))
-            for b in numbers[start : start + 16]
-        ]
-        for bucket, call in calls:
-            try:
-                leaf = next((n for n in call.get() if n.startswith(prefix)), None)
-            except NoNodeError:
-                continue
-            if leaf is not None:
-                return f"{bucket:010d}/{leaf}"
+    newest_first = buckets(zk, layout, queue, priority)[::-1]
+    for bucket, leaves in _leaves(zk, layout, queue, priority, newest_first):
+        leaf = next((n for n in leaves if n.startswith(prefix)), None)
+        if leaf is not None:
+            return f"{bucket:010d}/{leaf}"
     return None
 
 
@@ -122,18 +136,9 @@ def find_many(
     found: dict[str, tuple[str, str]] = {}
     for priority in defaults.PRIORITIES:
         numbers = buckets(zk, layout, queue, priority)
-        for start in range(0, len(numbers), 16):
-            calls = [
-                (b, zk.get_children_async(layout.bucket(queue, priority, b)))
-                for b in numbers[start : start + 16]
-            ]
-            for bucket, call in calls:
-                try:
-                    leaves = call.get()
-                except NoNodeError:
-                    continue
-                for leaf in leaves:
-                    job_id = leaf.rpartition("-")[0]
-                    if job_id in job_ids and job_id not in found:
-                        found[job_id] = (priority, f"{bucket:010d}/{leaf}")
+        for bucket, leaves in _leaves(zk, layout, queue, priority, numbers):
+            for leaf in leaves:
+                job_id = leaf.rpartition("-")[0]
+                if job_id in job_ids and job_id not in found:
+                    found[job_id] = (priority, f"{bucket:010d}/{leaf}")
     return found

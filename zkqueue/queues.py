@@ -52,7 +52,7 @@ def queue_table(
 ) -> list[dict[str, Any]]:
     """One row per queue (every queue with a node, and every queue a worker serves): its
     workers, limits and depth."""
-    serving = _serving(workers)
+    serving = serving_workers(workers)
     rows = []
     for queue in sorted({*names, *serving}):
         stats = queue_stats(zk, layout, queue) if queue in names else None
@@ -70,7 +70,7 @@ def queue_table(
     return rows
 
 
-def _serving(workers: list[dict[str, Any]]) -> dict[str, list[str]]:
+def serving_workers(workers: list[dict[str, Any]]) -> dict[str, list[str]]:
     """Worker ids by the queue they serve, from their registrations."""
     serving: dict[str, list[str]] = {}
     for record in workers:
@@ -86,7 +86,7 @@ def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) ->
     while jobs wait or run unless ``force``; returns the numbers it had."""
     if zk.exists(layout.queue(queue)) is None:
         raise JobNotFound(f"no queue {queue!r}")
-    serving = sorted(_serving(read_records(zk, layout)).get(queue, []))
+    serving = sorted(serving_workers(read_records(zk, layout)).get(queue, []))
     if serving:
         more = f" and {len(serving) - 3} more" if len(serving) > 3 else ""
         shown = ", ".join(serving[:3]) + more
