@@ -19,6 +19,7 @@ from tests.conftest import wait_for
 from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
+from zkqueue.enqueue import Enqueuer
 from zkqueue.exporter import ClusterCollector, collect_once, read_cluster, serve_cluster_metrics
 from zkqueue.janitor import PassReport
 
@@ -317,3 +318,14 @@ def test_the_elected_janitor_sets_the_stored_results_gauges() -> None:
     metrics.janitor_pass(PassReport(results_stored={"llama": 7}, results_bytes={"llama": 2048}))
     assert registry.get_sample_value("zkq_results_stored", {"queue": "llama"}) == 7
     assert registry.get_sample_value("zkq_results_stored_bytes", {"queue": "llama"}) == 2048
+
+
+def test_waiting_counts_claims_outside_the_first_bucket(client: Client) -> None:
+    """A claim on an entry past the first bucket (the first ones were left for a bigger worker)
+    is running, not waiting."""
+    client._enqueue = Enqueuer(client, bucket_size=2)
+    jobs = [client.submit(text, detach=True) for text in "abc"]
+    assert jobs[2].entry.startswith("0000000001/")  # buckets 0 (a, b) and 1 (c)
+    client.zk.create(client.layout.claim("default", jobs[2].id), b"{}", ephemeral=True)
+    (queue,) = read_cluster(client).queues
+    assert (queue.total_depth, queue.running, queue.total_waiting) == (3, 1, 2)

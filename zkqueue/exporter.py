@@ -61,7 +61,8 @@ class QueueState:
     name: str
     #: Entries per priority, running ones included.
     depth: dict[str, int]
-    #: Unclaimed entries per priority.
+    #: Unclaimed entries per priority, counting the claims of each priority's first bucket only
+    #: (a claim names an id, not a priority): ``total_waiting`` is the exact sum.
     waiting: dict[str, int]
     running: int
     idle_workers: int
@@ -79,7 +80,9 @@ class QueueState:
 
     @property
     def total_waiting(self) -> int:
-        return sum(self.waiting.values())
+        """Unclaimed entries: every claim is of an entry the buckets count (as backpressure
+        counts them), wherever its bucket."""
+        return max(0, self.total_depth - self.running)
 
     def oldest_age(self, priority: str, now: float) -> float | None:
         """Seconds the first waiting job of ``priority`` has waited at ``now`` (host clock)."""
