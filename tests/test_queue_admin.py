@@ -98,6 +98,20 @@ def test_limits_from_the_command_line(zkq, client: Client, start_worker) -> None
     assert "max pending unlimited, max running unlimited" in out.stdout
 
 
+def test_queue_create_and_limits_of_a_missing_queue(zkq, client: Client) -> None:
+    out = zkq("queue-limit", "lamma", "--max-pending", "10")  # a misspelt name
+    assert out.returncode == ExitCode.NOT_FOUND and "zkq queue create lamma" in out.stderr
+    assert client.queue_names() == []  # not made by the attempt
+    out = zkq("queue", "create", "llama", "--max-pending", "10")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "created queue llama: max pending 10, max running unlimited\n"
+    job = client.submit("x", detach=True, queue="llama")
+    out = zkq("queue", "create", "llama")
+    assert out.stdout == "queue exists llama: max pending 10, max running unlimited\n"
+    assert job.status() == "pending"  # its jobs stay
+    assert client.queue_names() == ["llama"]
+
+
 def test_submit_warns_when_no_worker_serves_the_queue(zkq, start_worker) -> None:
     out = zkq("submit", "--detach", "--queue", "nobody", "x")
     assert out.returncode == 0

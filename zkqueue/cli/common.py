@@ -56,7 +56,9 @@ def open_client(ctx: click.Context, timeout: float | None = None) -> Client:
 def require_queue(client: Client, queue: str) -> None:
     """A queue a command was asked about by name must exist (exit 3), not read as empty."""
     if queue not in client.queue_names():
-        raise JobNotFound(f"no queue {queue!r} (zkq queues lists them)")
+        raise JobNotFound(
+            f"no queue {queue!r} (zkq queues lists them; zkq queue create {queue} makes it)"
+        )
 
 
 def named(ctx: click.Context, param: str) -> bool:

@@ -76,9 +76,49 @@ def queue() -> None:
     """Manage one queue.
 
     \b
-    Example:
+    Examples:
+      zkq queue create llama --max-pending 1000
       zkq queue delete scratch
     """
+
+
+_MAX_PENDING = click.option(
+    "--max-pending", type=LIMIT, default=None, help="Most jobs that may wait."
+)
+_MAX_RUNNING = click.option(
+    "--max-running",
+    type=LIMIT,
+    default=None,
+    help="Most jobs of the queue running at once, across all workers.",
+)
+
+
+@queue.command("create")
+@click.argument("name", callback=checked(check_queue))
+@_MAX_PENDING
+@_MAX_RUNNING
+@click.pass_context
+@handles_errors
+def create(
+    ctx: click.Context, name: str, max_pending: int | str | None, max_running: int | str | None
+) -> None:
+    """Create queue NAME, with limits if given (a queue that exists keeps its jobs; given
+    limits replace its own). Workers and producers also create the queues they use.
+
+    \b
+    Example:
+      zkq queue create llama --max-pending 1000 --max-running 8
+    """
+    changes = _changes(False, max_pending, max_running)
+    with open_client(ctx) as client:
+        existed = name in client.queue_names()
+        if changes:
+            settings = client.set_limits(name, **changes)
+        else:
+            client.ensure_queue(name)
+            with client.mapped():
+                settings = client.limits.settings(name)
+    click.echo(f"{'queue exists' if existed else 'created queue'} {name}: {_limits_text(settings)}")
 
 
 @queue.command("delete")
@@ -96,6 +136,7 @@ def delete(ctx: click.Context, name: str, force: bool) -> None:
       zkq queue delete scratch --force     # running jobs' results are lost
     """
     with open_client(ctx) as client:
+        require_queue(client, name)
         stats = client.delete_queue(name, force=force)
     click.echo(
         f"deleted queue {name} ({stats['waiting']} waiting, {stats['running']} running, "
@@ -106,13 +147,8 @@ def delete(ctx: click.Context, name: str, force: bool) -> None:
 @click.command("queue-limit")
 @click.argument("name", metavar="QUEUE", callback=checked(check_queue))
 @click.argument("clear", metavar="[none]", required=False, type=click.Choice(_NONE))
-@click.option("--max-pending", type=LIMIT, default=None, help="Most jobs that may wait.")
-@click.option(
-    "--max-running",
-    type=LIMIT,
-    default=None,
-    help="Most jobs of the queue running at once, across all workers.",
-)
+@_MAX_PENDING
+@_MAX_RUNNING
 @click.pass_context
 @handles_errors
 def queue_limit(
@@ -123,7 +159,8 @@ def queue_limit(
     max_running: int | str | None,
 ) -> None:
     """Show QUEUE's limits, set them, or remove them all with 'none'. Beyond max pending, submit
-    fails fast (exit 5); beyond max running, jobs wait for a running one to end.
+    fails fast (exit 5); beyond max running, jobs wait for a running one to end. The queue must
+    exist (exit 3; zkq queue create makes one).
 
     \b
     Examples:
@@ -132,18 +169,25 @@ def queue_limit(
       zkq queue-limit llama --max-running none    # remove one
       zkq queue-limit llama none                  # remove both
     """
-    given = {k: v for k, v in (("max_pending", max_pending), ("max_running", max_running)) if v}
-    if clear and given:
-        raise click.UsageError("give 'none' or --max-pending/--max-running, not both")
-    changes = dict.fromkeys(LIMITS) if clear else {k: _value(v) for k, v in given.items()}
+    changes = _changes(clear is not None, max_pending, max_running)
     with open_client(ctx) as client:
+        require_queue(client, name)  # a misspelt name must not make a queue nobody serves
         if changes:
             settings = client.set_limits(name, **changes)
         else:
-            require_queue(client, name)
             with client.mapped():
                 settings = client.limits.settings(name)
     click.echo(f"{name}: {_limits_text(settings)}")
+
+
+def _changes(
+    clear: bool, max_pending: int | str | None, max_running: int | str | None
+) -> dict[str, int | None]:
+    """The limits to set: those given ('none' removes one), or both removed by ``clear``."""
+    given = {k: v for k, v in (("max_pending", max_pending), ("max_running", max_running)) if v}
+    if clear and given:
+        raise click.UsageError("give 'none' or --max-pending/--max-running, not both")
+    return dict.fromkeys(LIMITS) if clear else {k: _value(v) for k, v in given.items()}
 
 
 def _value(value: int | str) -> int | None:
