@@ -61,8 +61,7 @@ class QueueState:
     name: str
     #: Entries per priority, running ones included.
     depth: dict[str, int]
-    #: Unclaimed entries per priority, counting the claims of each priority's first bucket only
-    #: (a claim names an id, not a priority): ``total_waiting`` is the exact sum.
+    #: Unclaimed entries per priority, less only the claims in its first bucket (estimate).
     waiting: dict[str, int]
     running: int
     idle_workers: int
@@ -80,8 +79,7 @@ class QueueState:
 
     @property
     def total_waiting(self) -> int:
-        """Unclaimed entries: every claim is of an entry the buckets count (as backpressure
-        counts them), wherever its bucket."""
+        """Exact: every claim is of an entry the buckets count (as backpressure counts)."""
         return max(0, self.total_depth - self.running)
 
     def oldest_age(self, priority: str, now: float) -> float | None:
