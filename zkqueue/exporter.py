@@ -171,8 +171,7 @@ def _start_queue(client: Client, queue: str) -> dict[str, IAsyncResult]:
 def _finish_queue(
     client: Client, queue: str, calls: dict[str, IAsyncResult], deadline: Deadline
 ) -> tuple[QueueState, dict[str, list[str]]]:
-    """The queue's counts (from the stats of its buckets: nothing long is listed), and per
-    priority the first unclaimed entries in dispatch order (from its first bucket)."""
+    """The queue's counts (from its buckets' stats) and per priority its first unclaimed names."""
     zk, layout = client.zk, client.layout
     claimed = set(deadline.children(calls["claims"]))
     pairs = counts.bucket_counts(zk, layout, queue, deadline.get)
