@@ -29,6 +29,7 @@ from kazoo.security import make_digest_acl
 
 from zkqueue import defaults
 from zkqueue.errors import AccessDenied, ConfigurationError, ZkqConnectionError
+from zkqueue.handler import PollingHandler
 
 log = logging.getLogger("zkq.connection")
 #: ZooKeeper errors that mean "the connection is away for now": wait for it and try again.
@@ -86,6 +87,7 @@ class ConnectionSettings:
             timeout=self.session_timeout,
             connection_retry=KazooRetry(**retry),
             command_retry=None,
+            handler=PollingHandler(),
             **self._security(),
         )
 

@@ -213,7 +213,9 @@ class PendingView:
                 if entries is None:
                     break  # not listed: the priority has enough candidates before it
                 for entry in entries:
-                    if entry.job_id not in self.claimed and entry.name not in exclude:
+                    if entry.job_id not in self.claimed and (
+                        not exclude or entry.name not in exclude
+                    ):
                         yield priority, entry
 
     def unwatch(self) -> None:

@@ -62,7 +62,7 @@ class Agent:
     """The commands one agent process understands (``cmd_<name>``)."""
 
     def __init__(self, hosts: str) -> None:
-        self.zk = KazooClient(hosts=hosts, timeout=10.0)
+        self.zk = KazooClient(hosts=hosts, timeout=10.0, handler=_handler())
         self.zk.start(timeout=30)
         self.service: Service | None = None
 
@@ -174,3 +174,16 @@ def _timed_producer(put: Callable[[int], Any], n: int, profile: bool) -> dict[st
         profiler.stop()
         out["profile"] = profiler.output_text(show_all=False)
     return out
+
+
+def _handler() -> Any:
+    """zkq's handler (zkqueue.handler), for zkq's workers and LockingQueue's consumers alike;
+    ZKQ_BENCH_HANDLER=kazoo runs both on kazoo's own."""
+    import os
+
+    from kazoo.handlers.threading import SequentialThreadingHandler
+
+    from zkqueue.handler import PollingHandler
+
+    kazoo = os.environ.get("ZKQ_BENCH_HANDLER") == "kazoo"
+    return SequentialThreadingHandler() if kazoo else PollingHandler()
