@@ -212,11 +212,9 @@ class PendingView:
                 entries = self.listed.get((priority, bucket))
                 if entries is None:
                     break  # not listed: the priority has enough candidates before it
-                for entry in entries:
-                    if entry.job_id not in self.claimed and (
-                        not exclude or entry.name not in exclude
-                    ):
-                        yield priority, entry
+                for e in entries:
+                    if e.job_id not in self.claimed and not (exclude and e.name in exclude):
+                        yield priority, e
 
     def unwatch(self) -> None:
         """Stop watching (this worker leaves the head of the line): remove the bucket watches
