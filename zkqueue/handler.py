@@ -29,7 +29,8 @@ class PollingHandler(SequentialThreadingHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._polls: dict[tuple[tuple[int, int], ...], Any] = {}
+        #: By the (readers, writers) asked for: their poll object and who each fd stands for.
+        self._polls: dict[tuple[tuple[Any, ...], tuple[Any, ...]], _Poll] = {}
         self._lock = threading.Lock()
 
     def select(
@@ -38,32 +39,42 @@ class PollingHandler(SequentialThreadingHandler):
         """select(2)'s contract, as kazoo's connection uses it (no exceptional set)."""
         if timeout is not None and timeout < 0:
             raise ValueError("timeout must be non-negative")
-        masks: dict[int, int] = {}
-        objects: dict[int, list[Any]] = {}
-        for fileobjs, mask in ((rlist, _READ), (wlist, _WRITE)):
-            for fileobj in fileobjs:
-                fd = fileobj_to_fd(fileobj)
-                masks[fd] = masks.get(fd, 0) | mask
-                objects.setdefault(fd, []).append(fileobj)
-        key = tuple(sorted(masks.items()))
-        with self._lock:
-            poll = self._polls.pop(key, None)
-        if poll is None:
-            poll = select.poll()
-            for fd, mask in masks.items():
-                poll.register(fd, mask)
+        # Keyed by the socket objects themselves (kept alive here, so never confused with new
+        # ones): a socket's descriptor does not change while it is open.
+        key = (tuple(rlist), tuple(wlist))
+        with self._lock:  # poll objects refuse concurrent use: each caller takes its own
+            entry = self._polls.pop(key, None)
+        if entry is None:
+            entry = _Poll(rlist, wlist)
         try:
-            ready = poll.poll(None if timeout is None else math.ceil(timeout * 1000))
+            ready = entry.poll.poll(None if timeout is None else math.ceil(timeout * 1000))
         finally:
             with self._lock:
                 if len(self._polls) >= _KEPT:
                     self._polls.clear()
-                self._polls[key] = poll
+                self._polls[key] = entry
         readable: list[Any] = []
         writable: list[Any] = []
         for fd, events in ready:
-            if events & (_READ | _BROKEN) and masks[fd] & _READ:
-                readable.extend(objects[fd])
-            elif events & (_WRITE | _BROKEN):
-                writable.extend(objects[fd])
+            if events & (_READ | _BROKEN) and fd in entry.readers:
+                readable.extend(entry.readers[fd])
+            elif events & (_WRITE | _BROKEN) and fd in entry.writers:
+                writable.extend(entry.writers[fd])
         return readable, writable, []
+
+
+class _Poll:
+    """A poll object registered for some readers and writers, and who each descriptor is."""
+
+    def __init__(self, rlist: list[Any], wlist: list[Any]) -> None:
+        self.readers: dict[int, list[Any]] = {}
+        self.writers: dict[int, list[Any]] = {}
+        masks: dict[int, int] = {}
+        for fileobjs, mask, into in ((rlist, _READ, self.readers), (wlist, _WRITE, self.writers)):
+            for fileobj in fileobjs:
+                fd = fileobj_to_fd(fileobj)
+                masks[fd] = masks.get(fd, 0) | mask
+                into.setdefault(fd, []).append(fileobj)
+        self.poll = select.poll()
+        for fd, mask in masks.items():
+            self.poll.register(fd, mask)
