@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kazoo.client import KazooClient
+from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.protocol.states import Callback
 from kazoo.recipe.queue import LockingQueue
 
@@ -24,6 +25,7 @@ from scripts.bench import wire
 from scripts.bench.services import LockingQueueService, RedisService, Service, ZkqService
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
+from zkqueue.handler import PollingHandler
 
 
 def agent_main(conn: Connection, hosts: str) -> None:
@@ -62,9 +64,20 @@ class Agent:
     """The commands one agent process understands (``cmd_<name>``)."""
 
     def __init__(self, hosts: str) -> None:
-        self.zk = KazooClient(hosts=hosts, timeout=10.0, handler=_handler())
-        self.zk.start(timeout=30)
+        # zkq's clients run on zkq's kazoo handler (zkqueue.handler); LockingQueue on kazoo's
+        # own, as kazoo ships it, unless ZKQ_BENCH_LQ_HANDLER=zkq (to tell the handler's share).
+        self.hosts = hosts
+        self.zk = _start(KazooClient(hosts=hosts, timeout=10.0, handler=PollingHandler()))
+        self._lq_zk: KazooClient | None = None
         self.service: Service | None = None
+
+    @property
+    def lq_zk(self) -> KazooClient:
+        if self._lq_zk is None:
+            zkq = os.environ.get("ZKQ_BENCH_LQ_HANDLER") == "zkq"
+            handler = PollingHandler() if zkq else SequentialThreadingHandler()
+            self._lq_zk = _start(KazooClient(hosts=self.hosts, timeout=10.0, handler=handler))
+        return self._lq_zk
 
     def handle(self, command: str, kwargs: dict[str, Any]) -> tuple[str, Any]:
         try:
@@ -75,8 +88,10 @@ class Agent:
     def close(self) -> None:
         if self.service is not None:
             self.service.stop()
-        self.zk.stop()
-        self.zk.close()
+        for zk in (self.zk, self._lq_zk):
+            if zk is not None:
+                zk.stop()
+                zk.close()
 
     # -- services ------------------------------------------------------------------------------
 
@@ -86,7 +101,7 @@ class Agent:
         return self._start(ZkqService(self.zk, EchoRunner(), root, queue, slots, profile))
 
     def cmd_lq_start(self, path: str) -> dict[str, Any]:
-        return self._start(LockingQueueService(self.zk, path))
+        return self._start(LockingQueueService(self.lq_zk, path))
 
     def cmd_redis_start(self, port: int, prefix: str) -> dict[str, Any]:
         return self._start(RedisService(self.zk, port, prefix))
@@ -128,7 +143,7 @@ class Agent:
         )
 
     def cmd_produce_lq(self, path: str, n: int) -> dict[str, Any]:
-        lq = LockingQueue(self.zk, path)
+        lq = LockingQueue(self.lq_zk, path)
         return _timed_producer(lambda i: lq.put(_job_bytes(i)), n, False)
 
     def cmd_produce_redis(self, port: int, prefix: str, n: int) -> dict[str, Any]:
@@ -176,14 +191,6 @@ def _timed_producer(put: Callable[[int], Any], n: int, profile: bool) -> dict[st
     return out
 
 
-def _handler() -> Any:
-    """zkq's handler (zkqueue.handler), for zkq's workers and LockingQueue's consumers alike;
-    ZKQ_BENCH_HANDLER=kazoo runs both on kazoo's own."""
-    import os
-
-    from kazoo.handlers.threading import SequentialThreadingHandler
-
-    from zkqueue.handler import PollingHandler
-
-    kazoo = os.environ.get("ZKQ_BENCH_HANDLER") == "kazoo"
-    return SequentialThreadingHandler() if kazoo else PollingHandler()
+def _start(zk: KazooClient) -> KazooClient:
+    zk.start(timeout=30)
+    return zk
