@@ -2,8 +2,9 @@
 
 kazoo's connection thread calls ``handler.select`` at least twice a request (to send it, to read
 its reply), and kazoo's own builds, registers and closes an epoll object on every call: about a
-third of that thread's CPU. This one keeps a ``poll`` object per set of file descriptors (the
-socket and kazoo's wake-up pipe: one set per connection), so a call is one system call.
+third of that thread's CPU. This one keeps a ``poll`` object per set of sockets asked about (a
+connection asks about three: its socket to read, to write, and with kazoo's wake-up pipe), so a
+call is one system call. Where ``select.poll`` does not exist (Windows) it is kazoo's handler.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from typing import Any
 from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.handlers.utils import fileobj_to_fd
 
-_READ = select.POLLIN | select.POLLPRI
-_WRITE = select.POLLOUT
-#: Errors and hang-ups wake the reader: its read fails and kazoo reconnects.
-_BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL
-#: Poll objects kept at most (a reconnect brings a new socket: a new set).
+_POLL = hasattr(select, "poll")
+#: select(2)'s readers wait for POLLIN only (POLLPRI, urgent data, is its exceptional set).
+_READ = getattr(select, "POLLIN", 1)
+_WRITE = getattr(select, "POLLOUT", 4)
+#: Errors and hang-ups wake readers and writers alike: their call fails and kazoo reconnects.
+_BROKEN = sum(getattr(select, n, 0) for n in ("POLLERR", "POLLHUP", "POLLNVAL"))
+#: Poll objects kept at most: one handler serves one connection (three sets at a time); a
+#: reconnect brings new sockets, and the old sets go at the next overflow.
 _KEPT = 4
 
 
@@ -37,15 +41,17 @@ class PollingHandler(SequentialThreadingHandler):
         self, rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: float | None = None
     ) -> tuple[list[Any], list[Any], list[Any]]:
         """select(2)'s contract, as kazoo's connection uses it (no exceptional set)."""
+        if not _POLL or xlist:
+            return super().select(rlist, wlist, xlist, timeout)
         if timeout is not None and timeout < 0:
             raise ValueError("timeout must be non-negative")
         # Keyed by the socket objects themselves (kept alive here, so never confused with new
-        # ones): a socket's descriptor does not change while it is open.
+        # ones that reuse a descriptor number).
         key = (tuple(rlist), tuple(wlist))
         with self._lock:  # poll objects refuse concurrent use: each caller takes its own
             entry = self._polls.pop(key, None)
-        if entry is None:
-            entry = _Poll(rlist, wlist)
+        if entry is None or not entry.current():
+            entry = _Poll(rlist, wlist)  # raises, as kazoo's does, for a closed socket
         try:
             ready = entry.poll.poll(None if timeout is None else math.ceil(timeout * 1000))
         finally:
@@ -69,12 +75,18 @@ class _Poll:
     def __init__(self, rlist: list[Any], wlist: list[Any]) -> None:
         self.readers: dict[int, list[Any]] = {}
         self.writers: dict[int, list[Any]] = {}
+        self.fds: list[tuple[Any, int]] = []
         masks: dict[int, int] = {}
         for fileobjs, mask, into in ((rlist, _READ, self.readers), (wlist, _WRITE, self.writers)):
             for fileobj in fileobjs:
                 fd = fileobj_to_fd(fileobj)
                 masks[fd] = masks.get(fd, 0) | mask
                 into.setdefault(fd, []).append(fileobj)
+                self.fds.append((fileobj, fd))
         self.poll = select.poll()
         for fd, mask in masks.items():
             self.poll.register(fd, mask)
+
+    def current(self) -> bool:
+        """Whether every socket still has the descriptor it was registered with (not closed)."""
+        return all(fileobj_to_fd(obj) == fd for obj, fd in self.fds if not isinstance(obj, int))
