@@ -191,9 +191,8 @@ class Worker:
         live = self.liveness
         counts = (self.stats.completed, self.stats.failed)
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
-        if beat and self.line.known:
+        if beat and self.line.recheck():  # the head: is its place still there?
             self.view.poll()  # entries created without the arrival signal
-            self.line.invalidate()  # the head watches no one: is its place still there?
         if beat and self.on_heartbeat is not None:
             self.on_heartbeat(self)
         live.maybe_renew(self._stats.claimed, len(self.completer))

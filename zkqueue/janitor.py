@@ -307,10 +307,7 @@ class JanitorService:
                 self._sweep()
             if not self._line.joined:
                 self._line.join()
-            if self._led:
-                # The head watches no one: its place can go unnoticed (with an expired
-                # session, say) while another process is elected. Look again each pass.
-                self._line.invalidate()
+            self._line.recheck()  # elected: is our place still there? (look again each pass)
             if self._line.is_head():
                 self._led = True
                 report = self.janitor.run_pass()

@@ -21,6 +21,7 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
@@ -138,16 +139,18 @@ class EntryName:
     seq: int
     job_id: str
 
-    @property
+    # Cached (the head walks its candidates' names and orders every turn); a frozen dataclass
+    # still has an instance dict, which cached_property writes to directly.
+    @cached_property
     def leaf(self) -> str:
         """The node's own name, ``<id>-<seq>``."""
         return f"{self.job_id}-{self.seq:010d}"
 
-    @property
+    @cached_property
     def name(self) -> str:
         return f"{bucket_name(self.bucket)}/{self.leaf}"
 
-    @property
+    @cached_property
     def order(self) -> tuple[int, int]:
         """FIFO position: bucket, then the sequence (a wrapped, negative one sorts last)."""
         return self.bucket, self.seq % _SEQ_WRAP

@@ -168,6 +168,15 @@ class Line:
             return False
         return None
 
+    def recheck(self) -> bool:
+        """Whether we were head at the last look; if so, ask again at the next is_head(). A
+        head watches no one, so its place can go unnoticed (an expired session, a deleted
+        queue) while another member becomes head: its owner calls this now and then."""
+        if not self._head:
+            return False
+        self.invalidate()
+        return True
+
     def invalidate(self) -> None:
         """Called by the loop (never from a watch thread) after a line event: ask again."""
         self._watching = None

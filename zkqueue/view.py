@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import attrgetter
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -380,7 +381,7 @@ class PendingView:
                     continue
             parsed[leaf] = entry
         self._parsed[key] = parsed
-        self.listed[key] = sorted(parsed.values(), key=_order)
+        self.listed[key] = sorted(parsed.values(), key=_ORDER)
 
     def _watch(self, part: Part) -> _Watch:
         watch = self._watches.get(part)
@@ -396,5 +397,4 @@ class PendingView:
         return self.layout.bucket(self.queue, part[0], part[1])
 
 
-def _order(entry: EntryName) -> tuple[int, int]:
-    return entry.order
+_ORDER = attrgetter("order")
