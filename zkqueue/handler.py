@@ -75,18 +75,20 @@ class _Poll:
     def __init__(self, rlist: list[Any], wlist: list[Any]) -> None:
         self.readers: dict[int, list[Any]] = {}
         self.writers: dict[int, list[Any]] = {}
-        self.fds: list[tuple[Any, int]] = []
+        #: (the socket's fileno method, the descriptor registered) for each socket object.
+        self._filenos: list[tuple[Any, int]] = []
         masks: dict[int, int] = {}
         for fileobjs, mask, into in ((rlist, _READ, self.readers), (wlist, _WRITE, self.writers)):
             for fileobj in fileobjs:
                 fd = fileobj_to_fd(fileobj)
                 masks[fd] = masks.get(fd, 0) | mask
                 into.setdefault(fd, []).append(fileobj)
-                self.fds.append((fileobj, fd))
+                if not isinstance(fileobj, int):
+                    self._filenos.append((fileobj.fileno, fd))
         self.poll = select.poll()
         for fd, mask in masks.items():
             self.poll.register(fd, mask)
 
     def current(self) -> bool:
         """Whether every socket still has the descriptor it was registered with (not closed)."""
-        return all(fileobj_to_fd(obj) == fd for obj, fd in self.fds if not isinstance(obj, int))
+        return all(fileno() == fd for fileno, fd in self._filenos)
