@@ -159,3 +159,27 @@ def test_waiting_on_many_jobs_holds_no_thread_per_job(hosts: str, root: str, sta
     added, count, statuses = run(hosts, root, body)
     assert count == 200 and set(statuses) == {"succeeded"}
     assert added <= 0, added
+
+
+def test_a_busy_default_executor_does_not_stall_the_client(hosts: str, root: str) -> None:
+    """The application fills the loop's default executor: zkq's blocking calls (connect, a
+    queue's first use, the create) run on the client's own threads and still go through."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        gate = threading.Event()
+        busy = loop.run_in_executor(None, gate.wait)
+
+        async def use() -> str:
+            async with AsyncClient(hosts, root, session_timeout=4.0) as aio:
+                return (await aio.submit("x", detach=True)).id
+
+        try:
+            return await asyncio.wait_for(use(), 15)
+        finally:
+            gate.set()
+            await busy
+
+    assert asyncio.run(main()).startswith("_")

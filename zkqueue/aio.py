@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
@@ -36,6 +39,7 @@ from zkqueue.spec import build_spec
 
 #: Seconds a producer trusts its copy of a queue's settings (as the blocking client does).
 _SETTINGS_CACHE = 5.0
+T = TypeVar("T")
 
 __all__ = ["AsyncClient", "AsyncJob"]
 
@@ -86,6 +90,7 @@ class AsyncClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         zk: KazooClient | None = None,
+        blocking_threads: int = 16,
     ) -> None:
         self.settings = ConnectionSettings(
             hosts=hosts,
@@ -104,6 +109,18 @@ class AsyncClient:
         self._ready: set[str] = set()
         self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
         self._enqueue = Enqueuer(self, signal_limit=signal_spec_bytes)
+        #: The few blocking calls (connecting, a queue's first use, creating an entry exactly
+        #: once, backpressure counts) run on threads of this client's own, never on the event
+        #: loop's default executor: an application that fills that one must not stall zkq.
+        self._blocking_threads = blocking_threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def blocking(self, func: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call on this client's threads (with the caller's context vars)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._blocking_threads, thread_name_prefix="zkq-aio")
+        call = functools.partial(contextvars.copy_context().run, func, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -111,14 +128,17 @@ class AsyncClient:
         """Connect (kazoo's handshake runs on a worker thread once) and bind to this loop."""
         self._bridge = Bridge(asyncio.get_running_loop())
         if self._zk is None:
-            self._zk = await asyncio.to_thread(connect, self.settings)
+            self._zk = await self.blocking(connect, self.settings)
         return self
 
     async def close(self) -> None:
         """Close the session: every attached job of this client is withdrawn with it."""
         if self._zk is not None and self._owns_zk:
             zk, self._zk = self._zk, None
-            await asyncio.to_thread(close, zk)
+            await self.blocking(close, zk)
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncClient:
         return await self.start()
@@ -198,7 +218,7 @@ class AsyncClient:
         client (on a worker thread: the blocking client's code, so both speak one layout)."""
         if queue in self._ready:
             return
-        await asyncio.to_thread(self._ensure_queue, queue)
+        await self.blocking(self._ensure_queue, queue)
         self._ready.add(queue)
 
     def _ensure_queue(self, queue: str) -> None:
@@ -209,7 +229,7 @@ class AsyncClient:
         """Jobs of a queue not yet started: entries minus claims (child counts of the pending
         buckets and of claims/, never a listing of entries)."""
         with mapped_errors(self.settings.hosts):
-            return await asyncio.to_thread(self._waiting, queue)
+            return await self.blocking(self._waiting, queue)
 
     def _waiting(self, queue: str) -> int:
         depth = counts.depth(self.zk, self.layout, queue)
@@ -236,9 +256,7 @@ class AsyncClient:
         """Create the entry exactly once, in its priority's tail bucket: the blocking client's
         enqueuer on a worker thread (after a lost reply it looks the id up before creating
         again)."""
-        return await asyncio.to_thread(
-            self._enqueue.create, queue, priority, job_id, data, ephemeral
-        )
+        return await self.blocking(self._enqueue.create, queue, priority, job_id, data, ephemeral)
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
         """The entry name of a job (the enqueuer's lookup after a lost reply; blocking)."""

@@ -260,7 +260,7 @@ class AsyncJob(JobPaths):
             await _settled(self.client.wait(claim_call))
             running = ClaimBody.from_call(claim_call)
             # On a pool thread: the multi may first create its expiry tick (a blocking call).
-            call = await asyncio.to_thread(
+            call = await self.client.blocking(
                 claims.cancel_async,
                 zk,
                 layout,
