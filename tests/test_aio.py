@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -183,3 +184,30 @@ def test_a_busy_default_executor_does_not_stall_the_client(hosts: str, root: str
             await busy
 
     assert asyncio.run(main()).startswith("_")
+
+
+def test_a_closed_client_refuses_work_and_keeps_no_threads(hosts: str, root: str) -> None:
+    from zkqueue.errors import ZkqConnectionError
+
+    async def main() -> None:
+        aio = await AsyncClient(hosts, root, session_timeout=4.0).start()
+        await aio.submit("x", detach=True)
+        closing = asyncio.ensure_future(aio.close())
+        await asyncio.sleep(0)  # close() is under way (its session close on a pool thread)
+        closing.cancel()  # ... and its caller gives up: the pool still goes
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        assert aio._pool is None
+        with pytest.raises(ZkqConnectionError, match="not started, or closed"):
+            await aio.submit("y", detach=True, queue="another")
+
+    asyncio.run(main())
+    wait_for(
+        lambda: not any(t.name.startswith("zkq-aio") for t in threading.enumerate()),
+        message="the client's threads ended",
+    )
+
+
+def test_blocking_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        AsyncClient(blocking_threads=0)

@@ -112,13 +112,15 @@ class AsyncClient:
         #: The few blocking calls (connecting, a queue's first use, creating an entry exactly
         #: once, backpressure counts) run on threads of this client's own, never on the event
         #: loop's default executor: an application that fills that one must not stall zkq.
+        if blocking_threads < 1:
+            raise ValueError("blocking_threads must be at least 1")
         self._blocking_threads = blocking_threads
         self._pool: ThreadPoolExecutor | None = None
 
     async def blocking(self, func: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on this client's threads (with the caller's context vars)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._blocking_threads, thread_name_prefix="zkq-aio")
+            raise ZkqConnectionError("client is not started, or closed: use it with 'async with'")
         call = functools.partial(contextvars.copy_context().run, func, *args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
@@ -127,18 +129,22 @@ class AsyncClient:
     async def start(self) -> AsyncClient:
         """Connect (kazoo's handshake runs on a worker thread once) and bind to this loop."""
         self._bridge = Bridge(asyncio.get_running_loop())
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._blocking_threads, thread_name_prefix="zkq-aio")
         if self._zk is None:
             self._zk = await self.blocking(connect, self.settings)
         return self
 
     async def close(self) -> None:
         """Close the session: every attached job of this client is withdrawn with it."""
-        if self._zk is not None and self._owns_zk:
-            zk, self._zk = self._zk, None
-            await self.blocking(close, zk)
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            pool.shutdown(wait=False)
+        try:
+            if self._zk is not None and self._owns_zk:
+                zk, self._zk = self._zk, None
+                await self.blocking(close, zk)
+        finally:
+            if self._pool is not None:  # later blocking calls fail: the client is closed
+                pool, self._pool = self._pool, None
+                pool.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncClient:
         return await self.start()

@@ -79,7 +79,7 @@ class QueueState:
 
     @property
     def total_waiting(self) -> int:
-        """Exact: every claim is of an entry the buckets count (as backpressure counts)."""
+        """Depth less running jobs, wherever their buckets (as backpressure counts them)."""
         return max(0, self.total_depth - self.running)
 
     def oldest_age(self, priority: str, now: float) -> float | None:

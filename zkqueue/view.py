@@ -196,11 +196,7 @@ class PendingView:
         """The listed tail buckets of the priorities ranked above the best candidate's."""
         best = next(self.candidates(set(exclude)), None)
         above = defaults.PRIORITIES[: defaults.PRIORITIES.index(best[0])] if best else ()
-        return {
-            (p, self.buckets[p][-1])
-            for p in above
-            if self.buckets.get(p) and (p, self.buckets[p][-1]) not in self._trusted()
-        }
+        return {t for t in self._tails() if t[0] in above} - self._trusted()
 
     def _tails(self) -> set[Part]:
         """Each priority's tail bucket, as listed."""

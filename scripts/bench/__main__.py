@@ -167,6 +167,7 @@ def meta(args: argparse.Namespace, config: Config, bench: Bench) -> dict[str, An
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "kazoo": package_version("kazoo"),
+        "lockingqueue_handler": os.environ.get("ZKQ_BENCH_LQ_HANDLER") or "kazoo",
         "zookeeper": version,
         "default_worker_slots": defaults.WORKER_SLOTS,
         "load_average_at_start": os.getloadavg(),

@@ -54,9 +54,12 @@ def flush_watches(zk: KazooClient) -> None:
     done.wait(10)
 
 
-def process_stats(zk: KazooClient | None, flush: bool = False) -> dict[str, Any]:
-    if flush and zk is not None:
-        flush_watches(zk)
+def process_stats(*sessions: KazooClient | None, flush: bool = False) -> dict[str, Any]:
+    """The process's wire counters and CPU; with ``flush``, after each session's notifications
+    were read (a sync, then its callbacks)."""
+    for zk in sessions if flush else ():
+        if zk is not None:
+            flush_watches(zk)
     return {"wire": wire.snapshot(), "cpu": wire.thread_cpu()}
 
 
@@ -119,7 +122,7 @@ class Agent:
         self.service.go.set()
 
     def cmd_stats(self, flush: bool = False) -> dict[str, Any]:
-        out = process_stats(self.zk, flush)
+        out = process_stats(self.zk, self._lq_zk, flush=flush)
         if self.service is not None:
             out.update(self.service.stats())
         return out

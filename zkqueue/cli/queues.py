@@ -1,5 +1,5 @@
-"""Queue commands: ``queues`` (every queue with its workers, limits and depth), ``queue delete``
-and ``queue-limit`` (show, set or remove a queue's limits)."""
+"""Queue commands: ``queues`` (every queue with its workers, limits and depth), ``queue create``,
+``queue delete`` and ``queue-limit`` (show, set or remove an existing queue's limits)."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def create(
         if changes:
             settings = client.set_limits(name, **changes)
         else:
-            client.ensure_queue(name)
             with client.mapped():
+                client.ensure_queue(name)
                 settings = client.limits.settings(name)
     click.echo(f"{'queue exists' if existed else 'created queue'} {name}: {_limits_text(settings)}")
 
