@@ -329,3 +329,15 @@ def test_waiting_counts_claims_outside_the_first_bucket(client: Client) -> None:
     client.zk.create(client.layout.claim("default", jobs[2].id), b"{}", ephemeral=True)
     (queue,) = read_cluster(client).queues
     assert (queue.total_depth, queue.running, queue.total_waiting) == (3, 1, 2)
+
+
+def test_the_oldest_waiting_job_is_found_past_a_bucket_of_running_jobs(client: Client) -> None:
+    """Long jobs hold every entry of the first bucket: the age comes from the next one."""
+    client._enqueue = Enqueuer(client, bucket_size=2)
+    jobs = [client.submit(text, detach=True) for text in "abc"]  # buckets 0 (a, b) and 1 (c)
+    for job in jobs[:2]:
+        client.zk.create(client.layout.claim("default", job.id), b"{}", ephemeral=True)
+    (queue,) = read_cluster(client).queues
+    assert queue.total_waiting == 1
+    assert set(queue.oldest) == {"normal"}
+    assert queue.oldest_age("normal", time.time()) is not None

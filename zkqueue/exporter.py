@@ -5,10 +5,11 @@ oldest waiting job, dead letters, workers per queue) is read here on demand by a
 so one exporter per cluster answers it and nothing is cached between scrapes.
 
 Each scrape reads, pipelined under one deadline, only stats and short listings (bucket names, each
-priority's first bucket, ``claims``, the worker records): nothing it lists grows with the depth or
-the results stored. It writes nothing (read-only credentials do). A scrape never raises: when
-ZooKeeper is unreachable or too slow it counts an error (``zkq_exporter_scrape_errors_total``),
-sets ``zkq_exporter_zookeeper_up`` to 0 and returns what it could read.
+priority's first bucket, or the first few when running jobs fill the first, ``claims``, the worker
+records): nothing it lists grows with the depth or the results stored. It writes nothing
+(read-only credentials do). A scrape never raises: when ZooKeeper is unreachable or too slow it
+counts an error (``zkq_exporter_scrape_errors_total``), sets ``zkq_exporter_zookeeper_up`` to 0 and
+returns what it could read.
 
 Ages (``zkq_queue_oldest_pending_seconds``) compare an entry's ``ctime`` (ZooKeeper's clock) with
 the exporter host's clock (reading ZooKeeper's clock would need a write); with NTP the skew is
@@ -28,14 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from kazoo.exceptions import KazooException, NoNodeError
-from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.exceptions import NoNodeError
 from kazoo.interfaces import IAsyncResult
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zkqueue import counts, defaults
 from zkqueue.client import Client
+from zkqueue.deadline import READ_ERRORS, Deadline
 from zkqueue.errors import ZkqError
 from zkqueue.layout import RESULT_BUCKETS, EntryName, bucket_name
 from zkqueue.limits import QueueSettings
@@ -45,13 +46,11 @@ log = logging.getLogger("zkq.exporter")
 
 #: Seconds one scrape may spend reading ZooKeeper (Prometheus' default scrape timeout is 10 s).
 READ_TIMEOUT = 5.0
-#: Unclaimed entries per priority whose stat is read to find the oldest: the first ones may be
-#: claimed or finished while we look.
-OLDEST_PROBES = 4
+#: Unclaimed entries per priority whose stat is read to find the oldest (the first ones may be
+#: claimed or finished while we look), from the first of at most OLDEST_BUCKETS buckets.
+OLDEST_PROBES, OLDEST_BUCKETS = 4, 4
 #: Worker records read per scrape at most.
 MAX_WORKERS = 1000
-#: What a read may raise when ZooKeeper is unreachable, slow, or refuses us.
-READ_ERRORS = (KazooException, KazooTimeoutError, ZkqError, ValueError)
 
 
 @dataclass
@@ -61,7 +60,7 @@ class QueueState:
     name: str
     #: Entries per priority, running ones included.
     depth: dict[str, int]
-    #: Unclaimed entries per priority, less only the claims in its first bucket (estimate).
+    #: Entries per priority less the claims found in the buckets listed (an estimate).
     waiting: dict[str, int]
     running: int
     idle_workers: int
@@ -96,29 +95,6 @@ class ClusterState:
     workers: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     read_at: float = field(default_factory=time.time)
-
-
-class Deadline:
-    """Waits on pipelined async reads, each for at most the time left of one budget."""
-
-    def __init__(self, timeout: float) -> None:
-        self.end = time.monotonic() + timeout
-
-    def get(self, call: IAsyncResult) -> Any:
-        return call.get(timeout=max(0.0, self.end - time.monotonic()))
-
-    def children(self, call: IAsyncResult) -> list[str]:
-        """A get_children result; a directory that does not exist has none."""
-        try:
-            names: list[str] = self.get(call)
-        except NoNodeError:
-            return []
-        return names
-
-    def count(self, call: IAsyncResult) -> int:
-        """numChildren from an exists result (0 when the node does not exist)."""
-        stat = self.get(call)
-        return int(stat.numChildren) if stat is not None else 0
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -181,10 +157,18 @@ def _finish_queue(
     depth, waiting, probe = {}, {}, {}
     for p in defaults.PRIORITIES:
         depth[p] = sum(n for _, n in pairs[p])
-        names = deadline.children(firsts[p]) if p in firsts else []
-        first = bucket_name(pairs[p][0][0]) if pairs[p] else ""
-        unclaimed = [f"{first}/{n}" for n in names if n.split("-")[0] not in claimed]
-        waiting[p] = max(0, depth[p] - (len(names) - len(unclaimed)))
+        held, unclaimed = 0, []
+        # The first bucket holding an unclaimed entry has the oldest waiting job; long jobs
+        # may pin earlier ones (the first few are listed, one round trip each after the first).
+        for i, (bucket, _) in enumerate(pairs[p][:OLDEST_BUCKETS]):
+            call = firsts[p] if i == 0 else zk.get_children_async(layout.bucket(queue, p, bucket))
+            names = deadline.children(call)
+            leaf = bucket_name(bucket)
+            unclaimed = [f"{leaf}/{n}" for n in names if n.split("-")[0] not in claimed]
+            held += len(names) - len(unclaimed)
+            if unclaimed:
+                break
+        waiting[p] = max(0, depth[p] - held)
         probe[p] = first_in_order(unclaimed, OLDEST_PROBES)
     state = QueueState(
         name=queue,

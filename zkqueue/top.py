@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.live import Live
 
 from zkqueue.client import Client
-from zkqueue.exporter import READ_ERRORS, READ_TIMEOUT, Deadline, read_cluster
+from zkqueue.deadline import READ_ERRORS, Deadline
+from zkqueue.exporter import READ_TIMEOUT, read_cluster
 from zkqueue.layout import parse_index_name
 from zkqueue.result import Result
 from zkqueue.topview import RATE_WINDOW, ResultRow, TopSnapshot, render
