@@ -231,3 +231,33 @@ def test_a_worker_and_a_producer_survive_their_queue_deleted_under_them(
     wait_for(deleted, message="the queue deleted again")  # now the producer makes it first
     record = client.submit("again", queue="gone").result(timeout=15)
     assert (record.status, record.output) == ("succeeded", "again")
+
+
+def test_a_job_submitted_during_a_delete_is_kept(client: Client, monkeypatch) -> None:
+    """The delete counted no jobs, then a producer's submit landed: the delete stops and the
+    job stays (before, the recursive delete took it with the tree)."""
+    import pytest
+
+    from zkqueue import queues
+    from zkqueue.errors import QueueBusy
+
+    client.ensure_queue("scratch")
+    producer = Client(client.settings.hosts, client.layout.root).start()
+    counted = queues.queue_stats
+    late: list = []
+
+    def count_then_submit(*args):
+        stats = counted(*args)
+        late.append(producer.submit("late", queue="scratch", detach=True))
+        return stats
+
+    monkeypatch.setattr(queues, "queue_stats", count_then_submit)
+    try:
+        with pytest.raises(QueueBusy, match="submitted .* while it was being deleted"):
+            client.delete_queue("scratch")
+        assert late[0].status() == "pending"
+        assert producer.stats()["queues"]["scratch"]["waiting"] == 1
+        # The queue is whole again: every priority takes jobs.
+        assert producer.submit("urgent", queue="scratch", priority="high", detach=True).id
+    finally:
+        producer.close()

@@ -51,10 +51,11 @@ def mismatch(layout: Layout, version: int | None) -> str:
     )
 
 
-def ensure_dirs(zk: KazooClient, layout: Layout, queue: str) -> None:
-    """Create a queue's directories (pipelined) unless its last one exists."""
+def ensure_dirs(zk: KazooClient, layout: Layout, queue: str, *, all_of: bool = False) -> None:
+    """Create a queue's directories (pipelined) unless its last one exists (``all_of``: each
+    one missing, whatever exists)."""
     dirs = layout.queue_dirs(queue)
-    if zk.exists(dirs[-1]) is not None:
+    if not all_of and zk.exists(dirs[-1]) is not None:
         return
     with suppress(NodeExistsError):
         zk.create(layout.queue(queue), makepath=True)

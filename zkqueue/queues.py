@@ -3,15 +3,16 @@ queue with the workers serving it, and deleting a queue."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
-from zkqueue import counts
+from zkqueue import counts, defaults, protocol
 from zkqueue.errors import JobNotFound, QueueBusy
-from zkqueue.layout import Layout
+from zkqueue.layout import Layout, child
 from zkqueue.limits import QueueSettings
 from zkqueue.registry import read_records
 
@@ -100,14 +101,58 @@ def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) ->
             f"queue {queue!r} has {stats['waiting']} waiting and {stats['running']} running "
             "job(s); cancel them or delete with --force"
         )
-    for attempt in range(_DELETE_TRIES):
-        try:
-            zk.delete(layout.queue(queue), recursive=True)
-            break
-        except NoNodeError:
-            break
-        except NotEmptyError:  # a producer or worker created a node meanwhile: again
-            if attempt == _DELETE_TRIES - 1:
-                raise QueueBusy(f"queue {queue!r} keeps getting new nodes; try again") from None
-            time.sleep(0.1)
+    # Pending first, bucket by bucket: without force a job submitted after the count above
+    # makes its bucket's delete fail, and the queue stays with it. Then the rest, and the
+    # queue's node last, never recursively: a producer that made the queue again meanwhile
+    # keeps it (and its job).
+    try:
+        for priority in defaults.PRIORITIES:
+            _delete_priority(zk, layout.pending(queue, priority), force, queue)
+    except QueueBusy:
+        protocol.ensure_dirs(zk, layout, queue, all_of=True)  # what went before the job came
+        raise
+    pending = layout.queue_dirs(queue)[0]  # <queue>/pending
+    for directory in (layout.claims, layout.line, layout.expiry, layout.dead, layout.results):
+        _delete_tree(zk, directory(queue), queue)
+    try:
+        for path in (pending, layout.queue(queue)):
+            with contextlib.suppress(NoNodeError):
+                zk.delete(path)
+    except NotEmptyError:
+        raise QueueBusy(
+            f"queue {queue!r} was made again while it was being deleted (a producer or worker "
+            "used it); it stays"
+        ) from None
     return stats
+
+
+def _delete_priority(zk: KazooClient, path: str, force: bool, queue: str) -> None:
+    """Delete a priority's buckets, then its node; entries only with ``force``."""
+    for _ in range(_DELETE_TRIES):
+        try:
+            for bucket in zk.get_children(path):
+                zk.delete(child(path, bucket), recursive=force)
+            zk.delete(path)
+            return
+        except NoNodeError:
+            return
+        except NotEmptyError:
+            if not force:
+                raise QueueBusy(
+                    f"a job was submitted to queue {queue!r} while it was being deleted: the "
+                    "queue stays, with it"
+                ) from None
+    raise QueueBusy(f"queue {queue!r} keeps getting new jobs; try again")
+
+
+def _delete_tree(zk: KazooClient, path: str, queue: str) -> None:
+    """Delete a directory of the queue that holds no jobs (claims, results...) and all below."""
+    for _ in range(_DELETE_TRIES):
+        try:
+            zk.delete(path, recursive=True)
+            return
+        except NoNodeError:
+            return
+        except NotEmptyError:  # a worker or producer created a node below meanwhile: again
+            time.sleep(0.1)
+    raise QueueBusy(f"queue {queue!r} keeps getting new nodes; try again")

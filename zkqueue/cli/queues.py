@@ -128,7 +128,8 @@ def create(
 @handles_errors
 def delete(ctx: click.Context, name: str, force: bool) -> None:
     """Delete queue NAME with its results and dead letters (refused while a worker serves it,
-    and while jobs wait or run unless --force: exit 5).
+    and while jobs wait or run unless --force: exit 5; a job submitted during the delete stops
+    it, and the queue stays with that job).
 
     \b
     Example:
