@@ -34,7 +34,7 @@ from gateway.errors import (
     from_zkq,
     invalid,
 )
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, endpoint_label
 from gateway.pools import Pools
 from gateway.sse import ClientGone, EventStream, until_hangup
 from gateway.sse import sse as _sse
@@ -116,7 +116,7 @@ class Gateway:
                 job.abandon()
 
         if job_request.stream:
-            self.metrics.requests.labels(request.url.path, "200").inc()
+            self.metrics.requests.labels(endpoint_label(request.url.path), "200").inc()
             events = self._events(job_request, job, timeout)
             return EventStream(events, headers, done, self.metrics.withdrawn.inc)
         try:
@@ -131,7 +131,7 @@ class Gateway:
         if not record.ok:
             raise from_result(record)
         body = fmt.completion(job_request, job.id, record, int(time.time()))
-        self.metrics.requests.labels(request.url.path, "200").inc()
+        self.metrics.requests.labels(endpoint_label(request.url.path), "200").inc()
         return JSONResponse(body, headers=headers)
 
     async def _submit(
@@ -311,7 +311,7 @@ def create_app(client: AsyncClient, config: GatewayConfig, metrics: bool = True)
 def _answer(error: ApiError, request: Request) -> Response:
     gateway = getattr(request.app.state, "gateway", None)
     if gateway is not None and request.url.path.startswith("/v1/"):
-        gateway.metrics.requests.labels(request.url.path, str(error.status)).inc()
+        gateway.metrics.requests.labels(endpoint_label(request.url.path), str(error.status)).inc()
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ import click
 from gateway.config import GatewayConfig, load
 from zkqueue import defaults
 from zkqueue.aio import AsyncClient
-from zkqueue.errors import ZkqError
+from zkqueue.errors import ConfigurationError, ZkqError
 from zkqueue.logs import configure as configure_logging
 
 #: Connection options: (name, environment variable, default, type).
@@ -38,6 +39,10 @@ _CONNECTION: tuple[tuple[str, str, Any, type], ...] = (
 )
 
 
+#: A timeout: seconds above 0.
+_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
@@ -47,18 +52,24 @@ _CONNECTION: tuple[tuple[str, str, Any, type], ...] = (
     help="TOML file: model -> queue mapping, API keys, defaults (docs/GATEWAY.md).",
 )
 @click.option("--host", envvar="ZKQ_SERVE_HOST", default="127.0.0.1", show_default=True)
-@click.option("--port", envvar="ZKQ_SERVE_PORT", type=int, default=8000, show_default=True)
+@click.option(
+    "--port",
+    envvar="ZKQ_SERVE_PORT",
+    type=click.IntRange(1, 65535),
+    default=8000,
+    show_default=True,
+)
 @click.option(
     "--drain-timeout",
-    type=float,
+    type=click.FloatRange(min=0),
     default=30.0,
     show_default=True,
     help="On SIGTERM, seconds open requests may still finish.",
 )
 @click.option("--zk", default=None, help="ZooKeeper hosts (env ZKQ_ZK).")
 @click.option("--root", default=None, help="Root znode (env ZKQ_ROOT).")
-@click.option("--session-timeout", type=float, default=None)
-@click.option("--connect-timeout", type=float, default=None)
+@click.option("--session-timeout", type=_SECONDS, default=None)
+@click.option("--connect-timeout", type=_SECONDS, default=None)
 @click.option("--auth", default=None, metavar="USER:PASSWORD", help="Digest auth (env ZKQ_AUTH).")
 @click.option("--tls-ca", default=None)
 @click.option("--tls-cert", default=None)
@@ -171,9 +182,19 @@ async def run(
                 lifespan="on",
                 access_log=False,
                 log_config=None,
-                timeout_graceful_shutdown=int(drain_timeout),
+                timeout_graceful_shutdown=math.ceil(drain_timeout),
             )
         )
         if started is not None:
             started(server)
-        await server.serve(sockets=[sock] if sock is not None else None)
+        await server.serve(sockets=[sock if sock is not None else _listen(host, port)])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a port in use is a configuration error (exit 7,
+    one line), as for ``zkq metrics``, not a log line of uvicorn's."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

@@ -13,6 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from zkqueue.client import Client
 from zkqueue.exporter import cluster_registry
 
+#: The paths counted as themselves; any other is one label (a client may ask for any path, and
+#: a label per path would let it grow the metrics without bound).
+_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
 #: Latency buckets, seconds: from an echo job to a long generation.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -59,3 +63,10 @@ class GatewayMetrics:
         if self._cluster is None:
             return own
         return own + await asyncio.to_thread(generate_latest, self._cluster)
+
+
+def endpoint_label(path: str) -> str:
+    """The ``endpoint`` label of a request path: the route it matched, never the raw path."""
+    if path in _PATHS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"

@@ -39,6 +39,11 @@ def test_models_health_metrics_and_error_shapes(served) -> None:
     ):
         assert response.status_code in (400, 404)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    for name in ("a1", "b2", "c3"):  # any path a client makes up is one label, not one each
+        assert httpx.get(f"{gw.url}/v1/models/{name}").status_code == 404
+    text = httpx.get(f"{gw.url}/metrics").text
+    assert 'zkq_gateway_requests_total{code="404",endpoint="/v1/models/{model}"} 3.0' in text
+    assert "a1" not in text and "/v1/nothing-here" not in text
 
 
 def test_python_m_gateway_serves_and_stops_on_sigterm(

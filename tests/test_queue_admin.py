@@ -253,7 +253,7 @@ def test_a_job_submitted_during_a_delete_is_kept(client: Client, monkeypatch) ->
 
     monkeypatch.setattr(queues, "queue_stats", count_then_submit)
     try:
-        with pytest.raises(QueueBusy, match="submitted .* while it was being deleted"):
+        with pytest.raises(QueueBusy, match=r"submitted .* while it was being deleted"):
             client.delete_queue("scratch")
         assert late[0].status() == "pending"
         assert producer.stats()["queues"]["scratch"]["waiting"] == 1

@@ -208,6 +208,12 @@ CASES: dict[str, Case] = {
     "metrics port in use": Case(
         ("metrics", "--port", "{port}"), CFG, "Address already in use", None, _busy_port
     ),
+    "serve port in use": Case(
+        ("serve", "--port", "{port}"), CFG, "cannot listen on 127.0.0.1:", None, _busy_port
+    ),
+    "serve port out of range": Case(("serve", "--port", "70000"), U, "70000"),
+    "serve negative drain": Case(("serve", "--drain-timeout", "-1"), U, "--drain-timeout"),
+    "serve zero session timeout": Case(("serve", "--session-timeout", "0"), U, "--session-timeout"),
     "worker metrics port in use": Case(
         ("worker", "--metrics-port", "{port}"), CFG, "cannot serve metrics", None, _busy_port
     ),
