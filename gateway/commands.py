@@ -95,7 +95,9 @@ def serve(
     Examples:
       zkq serve --port 8000 --config /etc/zkq/serve.toml
       curl localhost:8000/v1/chat/completions -H 'X-Priority: high' \\
+        -H 'Authorization: Bearer KEY' \\
         -d '{"model": "default", "messages": [{"role": "user", "content": "Hi"}]}'
+      (KEY: one of the config's [[keys]]; without keys no header is needed)
     """
     if log_level is not None or ctx.parent is None:
         configure_logging(log_level or os.environ.get("ZKQ_LOG_LEVEL", "WARNING"))

@@ -135,10 +135,20 @@ def _messages(raw: Any) -> list[dict[str, str]]:
     return [_message(i, m) for i, m in enumerate(raw)]
 
 
+#: Message fields a client may send with a null value (an SDK's ``message.model_dump()`` of an
+#: earlier answer has them): ignored then; any other value asks for tools, which we lack.
+_NULL_ONLY = frozenset({"tool_calls", "function_call", "tool_call_id", "refusal", "audio"})
+
+
 def _message(index: int, raw: Any) -> dict[str, str]:
     where = f"messages[{index}]"
-    if not isinstance(raw, dict) or set(raw) - {"role", "content"}:
-        raise invalid(f"{where} must be an object with only role and content", where)
+    if not isinstance(raw, dict):
+        raise invalid(f"{where} must be an object with role and content", where)
+    for key in set(raw) - {"role", "content", "name"}:
+        if key not in _NULL_ONLY or raw[key] is not None:
+            raise invalid(f"{where}.{key} is not supported (tools are not)", f"{where}.{key}")
+    if not isinstance(raw.get("name", ""), str):
+        raise invalid(f"{where}.name must be a string", f"{where}.name")
     role = _ROLES.get(raw.get("role"))  # type: ignore[arg-type]
     if role is None:
         raise invalid(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")

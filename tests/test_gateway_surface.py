@@ -145,3 +145,30 @@ def test_zkq_errors_map_to_one_status_each() -> None:
         assert answer.status == status, error
         assert set(answer.body()["error"]) == {"message", "type", "param", "code"}
     assert from_zkq(QueueFull("full"), retry_after=3).headers == {"Retry-After": "3"}
+
+
+def test_chat_history_as_sdks_resend_it() -> None:
+    """An earlier answer resent as the SDK dumps it (name, tool_calls: null...) is accepted;
+    a message that really asks for tools is refused, naming the field."""
+    from gateway import openai_format as fmt
+    from gateway.errors import ApiError
+
+    history = [
+        {"role": "system", "content": "Be brief.", "name": "setup"},
+        {"role": "user", "content": "Hi", "name": "alice"},
+        {"role": "assistant", "content": "Hello", "tool_calls": None, "refusal": None},
+        {"role": "user", "content": "Again"},
+    ]
+    request = fmt.parse(fmt.CHAT, {"model": "m", "messages": history}, 64)
+    assert request.messages is not None
+    assert [m["role"] for m in request.messages] == ["system", "user", "assistant", "user"]
+    assert all(set(m) == {"role", "content"} for m in request.messages)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for bad, param in (
+        ({"role": "assistant", "content": "x", "tool_calls": calls}, "messages[0].tool_calls"),
+        ({"role": "user", "content": "x", "name": 5}, "messages[0].name"),
+        ({"role": "user", "content": "x", "weight": 1}, "messages[0].weight"),
+    ):
+        with pytest.raises(ApiError) as caught:
+            fmt.parse(fmt.CHAT, {"model": "m", "messages": [bad]}, 64)
+        assert (caught.value.status, caught.value.body()["error"]["param"]) == (400, param)
