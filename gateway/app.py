@@ -8,6 +8,7 @@ Everything the app keeps is a cache, so any number of replicas can serve side by
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -44,6 +45,7 @@ from zkqueue.client import Client
 from zkqueue.errors import ZkqConnectionError, ZkqError
 
 log = logging.getLogger("zkq.gateway")
+_SHUTDOWN = "the gateway is shutting down and its drain timeout passed first; the job was withdrawn"
 T = TypeVar("T")
 
 #: A request body may be at most this many bytes (a job spec is at most 64 KiB anyway).
@@ -126,6 +128,10 @@ class Gateway:
             return Response(status_code=499)  # nobody reads it; the name of nginx's code
         except ZkqError as exc:
             raise from_zkq(exc, self.config.retry_after) from None
+        except asyncio.CancelledError:
+            # Only the server cancels a request: its drain timeout passed on shutdown. Answer
+            # that (the job is withdrawn in done()) rather than let it be a bare 500.
+            raise ApiError(503, _SHUTDOWN, "server_error", "shutting_down") from None
         finally:
             done()
         if not record.ok:

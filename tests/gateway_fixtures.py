@@ -41,13 +41,17 @@ class ChatEcho(EchoRunner):
 class GatewayThread:
     """``zkq serve`` in this process, on its own thread and event loop, on a free port."""
 
-    def __init__(self, hosts: str, root: str, config: GatewayConfig) -> None:
+    def __init__(
+        self, hosts: str, root: str, config: GatewayConfig, drain_timeout: float = 30.0
+    ) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server: Any = None
         client = AsyncClient(hosts, root, session_timeout=4.0)
-        job = run_gateway(client, config, sock=self.sock, started=self._started)
+        job = run_gateway(
+            client, config, sock=self.sock, started=self._started, drain_timeout=drain_timeout
+        )
         self.thread = threading.Thread(target=asyncio.run, args=(job,), daemon=True)
 
     def _started(self, server: Any) -> None:

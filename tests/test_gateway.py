@@ -3,6 +3,7 @@ client (unchanged), by httpx for what the client hides (disconnects, headers), a
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from gateway.config import ApiKey, GatewayConfig
 from tests.conftest import registered, wait_for
-from tests.gateway_fixtures import CHAT, RENDERED, ChatEcho, pending_names
+from tests.gateway_fixtures import CHAT, RENDERED, ChatEcho, GatewayThread, pending_names
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
@@ -218,4 +219,31 @@ def test_disconnect_while_waiting_withdraws_the_job(served, client: Client) -> N
     gone = time.monotonic()
     wait_for(lambda: pending_names(client) == [], timeout=5)
     assert time.monotonic() - gone < 1.0
+    gate.gate.set()
+
+
+def test_a_request_open_past_the_drain_timeout_is_answered_503(
+    hosts: str, root: str, start_worker, client: Client
+) -> None:
+    """SIGTERM drains open requests for --drain-timeout; one still waiting then is answered
+    in OpenAI's shape (503 shutting_down), not a bare 500, and its job is withdrawn."""
+    gate = GateRunner()
+    start_worker(gate)
+    wait_for(registered(client, 1))
+    gw = GatewayThread(hosts, root, GatewayConfig(), drain_timeout=1).start()
+    client.submit("holds the worker", detach=True)
+    wait_for(lambda: gate.started.is_set())
+    answers: list[httpx.Response] = []
+    asking = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{gw.url}/v1/completions", json={"model": "default", "prompt": "x"})
+        )
+    )
+    asking.start()
+    wait_for(lambda: len(pending_names(client)) == 1, message="the request's job queued")
+    gw.stop()
+    asking.join(15)
+    assert answers[0].status_code == 503, answers[0].text
+    assert answers[0].json()["error"]["code"] == "shutting_down"
+    wait_for(lambda: pending_names(client) == [], message="the job withdrawn")
     gate.gate.set()
