@@ -70,7 +70,9 @@ def from_zkq(exc: ZkqError, retry_after: int) -> ApiError:
         headers = {"Retry-After": str(retry_after)}
         return ApiError(429, str(exc), RATE_LIMIT, "queue_full", headers=headers)
     if isinstance(exc, JobTimeout):
-        message = f"{exc}; the request was withdrawn"
+        message = str(exc)  # an attached job's timeout already says it was withdrawn
+        if "withdrawn" not in message:
+            message += "; the request was withdrawn"
         return ApiError(504, message, TIMEOUT, "timeout")
     if isinstance(exc, ZkqConnectionError | AccessDenied):
         return ApiError(503, f"the queue is unavailable: {exc}", UNAVAILABLE, "zookeeper")

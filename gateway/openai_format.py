@@ -75,8 +75,10 @@ def parse(kind: str, body: Any, default_max_tokens: int) -> JobRequest:
         raise invalid("the request body must be a JSON object")
     _refuse_unsupported(kind, body)
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise invalid("model is required", "model")
+    if not isinstance(model, str):
+        raise invalid("model must be a string (a model's name)", "model")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from gateway.config import GatewayConfig
@@ -91,7 +92,8 @@ class Pools:
 
 def _model(model: str, queue: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
     info = [w.get("runner_info") or {} for w in workers]
-    served = sorted({str(i["model"]) for i in info if i.get("model")})
+    # A worker reports the model's directory: API clients see its name, never a server path.
+    served = sorted({PurePath(str(i["model"])).name for i in info if i.get("model")})
     return {
         "id": model,
         "object": "model",

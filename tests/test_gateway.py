@@ -179,6 +179,8 @@ def test_no_worker_is_503_and_caller_timeout_is_504(gateway, start_worker, clien
             model="default", prompt="too slow", extra_headers={"X-Zkq-Timeout": "0.5"}
         )
     assert late.value.status_code == 504 and time.monotonic() - started < 5
+    message = late.value.body["message"]  # type: ignore[index]
+    assert message.count("withdrawn") == 1, message  # said once
     assert pending_names(client) == []  # withdrawn
     gate.gate.set()
 

@@ -107,7 +107,10 @@ def test_tiny_model_worker_answers_in_openai_shape(
     model = write_tiny_model(tmp_path / "tiny", seed=0)
     spawn_worker("--model", str(model), "--device", "cpu", "--vram-budget", "64MiB")
     wait_for(registered(client, 1), timeout=120, message="model worker registered")
-    api = gateway().openai()
+    gw = gateway()
+    api = gw.openai()
+    (listed,) = httpx.get(f"{gw.url}/v1/models").json()["data"]
+    assert listed["runners"] == ["tiny"]  # the model's name, not the server's path to it
     answer = api.chat.completions.create(model="default", messages=CHAT, max_tokens=5)
     assert answer.object == "chat.completion"
     assert answer.choices[0].message.role == "assistant"

@@ -107,7 +107,7 @@ def test_queue_create_and_limits_of_a_missing_queue(zkq, client: Client) -> None
     assert out.stdout == "created queue llama: max pending 10, max running unlimited\n"
     job = client.submit("x", detach=True, queue="llama")
     out = zkq("queue", "create", "llama")
-    assert out.stdout == "queue exists llama: max pending 10, max running unlimited\n"
+    assert out.stdout == "queue llama exists: max pending 10, max running unlimited\n"
     assert job.status() == "pending"  # its jobs stay
     assert client.queue_names() == ["llama"]
 

@@ -115,6 +115,10 @@ def size_for(model: Any, opts: WorkerOptions) -> tuple[int, int]:
             f"({fmt(plan.activation_bytes)}), leaves less than one page of "
             f"{fmt(plan.bytes_per_page)}"
         )
+    # The step peak of the cache actually made (the plan's is for every page that would fit).
+    peak = kvcache.activation_bytes(
+        model.config, dtype_bytes, batch_tokens, pages * plan.page_tokens, flash
+    )
     log.info(
         "KV cache: %d pages of %d tokens (%s) from %s free (%s); step peak ~%s%s",
         pages,
@@ -122,7 +126,7 @@ def size_for(model: Any, opts: WorkerOptions) -> tuple[int, int]:
         fmt(pages * plan.bytes_per_page),
         fmt(snapshot.free),
         snapshot.source,
-        fmt(plan.activation_bytes),
+        fmt(peak),
         "" if pages == plan.pages else f"; {plan.pages} would fit, {pages} can ever be used",
     )
     return pages, batch_tokens

@@ -102,8 +102,8 @@ _MAX_RUNNING = click.option(
 def create(
     ctx: click.Context, name: str, max_pending: int | str | None, max_running: int | str | None
 ) -> None:
-    """Create queue NAME, with limits if given (a queue that exists keeps its jobs; given
-    limits replace its own). Workers and producers also create the queues they use.
+    """Create queue NAME, with limits if given. A queue that exists keeps its jobs, and of its
+    limits only those given change. Workers and producers also create the queues they use.
 
     \b
     Example:
@@ -118,7 +118,8 @@ def create(
             with client.mapped():
                 client.ensure_queue(name)
                 settings = client.limits.settings(name)
-    click.echo(f"{'queue exists' if existed else 'created queue'} {name}: {_limits_text(settings)}")
+    done = f"queue {name} exists" if existed else f"created queue {name}"
+    click.echo(f"{done}: {_limits_text(settings)}")
 
 
 @queue.command("delete")
