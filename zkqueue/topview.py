@@ -191,8 +191,10 @@ def _queues_table(
         ("idle", 3, "right"),
         ("dead", 2, "right"),
         ("oldest waiting", 1, "right"),
-        ("jobs/s", 1, "right"),
     ]
+    # A rate needs two frames: a single one (--once, the first frame) shows no such column.
+    rated = any(rates.get(q.name) is not None for q in snap.cluster.queues)
+    columns += [("jobs/s", 1, "right")] if rated else []
     rows = []
     for q in snap.cluster.queues:
         ages = {p: q.oldest_age(p, now) for p in defaults.PRIORITIES}
@@ -208,7 +210,7 @@ def _queues_table(
                 str(q.idle_workers),
                 Text(str(q.dead), style="red" if q.dead else ""),
                 f"{format_age(oldest[0])} ({oldest[1]})" if oldest else "-",
-                "-" if rate is None else f"{rate:.2f}",
+                *(["-" if rate is None else f"{rate:.2f}"] if rated else []),
             ]
         )
     return "queues (running/cap)", columns, rows

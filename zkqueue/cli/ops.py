@@ -172,7 +172,7 @@ def requeue(ctx: click.Context, job_id: str | None, all_: bool, queue: str | Non
 @handles_errors
 def top(ctx: click.Context, interval: float, once: bool) -> None:
     """Live view of queues, workers and recent results, fitted to the terminal (the least
-    useful columns drop first); q quits. Piped, it prints one plain snapshot.
+    useful columns drop first); q quits. Piped, it prints one snapshot, without colours.
 
     \b
     Example:
