@@ -261,3 +261,15 @@ def test_a_job_submitted_during_a_delete_is_kept(client: Client, monkeypatch) ->
         assert producer.submit("urgent", queue="scratch", priority="high", detach=True).id
     finally:
         producer.close()
+
+
+def test_a_caller_whose_queue_is_deleted_is_told_so(client: Client) -> None:
+    import pytest
+
+    from zkqueue.errors import JobWithdrawn
+
+    job = client.submit("waits", queue="doomed")  # attached; nobody serves the queue
+    with Client(client.settings.hosts, client.layout.root) as admin:
+        admin.delete_queue("doomed", force=True)
+    with pytest.raises(JobWithdrawn, match="its queue 'doomed' was deleted"):
+        job.result(timeout=10)

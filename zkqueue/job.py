@@ -301,6 +301,12 @@ class Job(JobPaths):
         return None
 
     def _withdrawn_message(self) -> str:
+        with contextlib.suppress(*_AWAY):
+            if self.client.zk.exists(self.client.layout.queue(self.queue)) is None:
+                return (
+                    f"job {self.id} was withdrawn before it produced a result: its queue "
+                    f"{self.queue!r} was deleted (zkq queue delete --force); resubmitting is safe"
+                )
         why = (
             "this client withdrew it"
             if self.owned and not self.detach
