@@ -224,7 +224,7 @@ class Gateway:
             value = float(asked)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value <= 0:
+        if math.isnan(value) or value <= 0:  # inf is "as long as allowed": the cap below
             raise invalid("X-Zkq-Timeout must be a positive number of seconds", "X-Zkq-Timeout")
         return min(value, self.config.timeout)
 

@@ -31,6 +31,8 @@ def test_models_health_metrics_and_error_shapes(served) -> None:
     gw.openai().completions.create(model="tiny-chat", prompt="count me")
     text = httpx.get(f"{gw.url}/metrics").text
     assert 'zkq_gateway_requests_total{code="200",endpoint="/v1/completions"} 1.0' in text
+    inf = {"X-Zkq-Timeout": "inf"}  # as long as allowed: the configured cap, not a 400
+    assert gw.openai().completions.create(model="tiny-chat", prompt="x", extra_headers=inf)
     assert "zkq_queue_depth" in text or "zkq_workers" in text  # the cluster's gauges
     for response in (
         httpx.post(f"{gw.url}/v1/completions", content=b"{not json"),
