@@ -139,6 +139,7 @@ CASES: dict[str, Case] = {
     "janitor interval zero": Case(("janitor", "--interval", "0"), U, "range x>0"),
     "metrics port zero": Case(("metrics", "--port", "0"), U, "range 1<=x<=65535"),
     "limit zero": Case(("queue-limit", "q", "--max-pending", "0"), U, "below 1"),
+    "limit huge": Case(("queue-limit", "q", "--max-running", "9" * 20), U, "above 2147483647"),
     "limit not a number": Case(("queue-limit", "q", "--max-running", "x"), U, "or 'none'"),
     # -- flags that conflict or do not apply ---------------------------------------------------
     "detach with timeout": Case(("submit", "--detach", "--timeout", "5", "x"), U, "--detach"),

@@ -12,6 +12,8 @@ from zkqueue.layout import check_queue
 from zkqueue.limits import LIMITS, QueueSettings
 
 _NONE = ("none", "unlimited")
+#: The largest limit (a signed 32-bit int: any producer's JSON reader holds it).
+_MAX_LIMIT = 2**31 - 1
 
 
 class _Limit(click.ParamType):
@@ -30,6 +32,8 @@ class _Limit(click.ParamType):
             self.fail(f"{value!r} is not a whole number or 'none'", param, ctx)
         if number < 1:
             self.fail(f"{number} is below 1 (use 'none' to remove the limit)", param, ctx)
+        if number > _MAX_LIMIT:  # producers in other languages read it as a 32-bit int
+            self.fail(f"{number} is above {_MAX_LIMIT} (use 'none' for no limit)", param, ctx)
         return number
 
 
