@@ -105,7 +105,15 @@ def serve(
         config = load(config_path)
         client = AsyncClient(**_settings(ctx, connection))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(run(client, config, host=host, port=port, drain_timeout=drain_timeout))
+            job = run(
+                client,
+                config,
+                host=host,
+                port=port,
+                drain_timeout=drain_timeout,
+                started=lambda _: click.echo(f"zkq serve: listening on {host}:{port}", err=True),
+            )
+            runner.run(job)
     except ZkqError as exc:
         click.echo(f"zkq: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -187,9 +195,10 @@ async def run(
                 timeout_graceful_shutdown=math.ceil(drain_timeout),
             )
         )
+        listening = sock if sock is not None else _listen(host, port)
         if started is not None:
             started(server)
-        await server.serve(sockets=[sock if sock is not None else _listen(host, port)])
+        await server.serve(sockets=[listening])
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -79,6 +79,7 @@ def test_python_m_gateway_serves_and_stops_on_sigterm(
         assert answer.choices[0].text == "over HTTP"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+        assert f"zkq serve: listening on 127.0.0.1:{port}" in proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
             proc.kill()
