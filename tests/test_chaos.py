@@ -159,7 +159,8 @@ def test_claim_whose_reply_was_lost_does_not_stall_the_queue(client: Client, sta
     handle = start_worker(EchoRunner(delay=0.05), slots=2)
     lost = _lose_reply_once(handle.worker.zk, "Create", "/claims/")
     record = client.submit("claimed in the dark", detach=True).result(timeout=15)
-    assert lost and (record.status, record.attempts) == ("succeeded", 2)
+    wait_for(lambda: bool(lost), message="the claim's reply lost")
+    assert (record.status, record.attempts) == ("succeeded", 2)
     assert client.submit("the line still moves", detach=True).result(timeout=10).ok
     wait_for(lambda: len(_line_nodes(client)) == 1, message="one place in the line")
     assert client.zk.get_children(client.layout.claims("default")) == []
@@ -173,7 +174,10 @@ def test_completion_whose_reply_was_lost_does_not_stall_the_line(
     handle = start_worker(EchoRunner(delay=0.05))
     lost = _lose_reply_once(handle.worker.zk, "Create", "/results/")
     record = client.submit("answered in the dark", detach=True).result(timeout=15)
-    assert lost and (record.status, record.attempts) == ("succeeded", 1)
+    # The caller may hear of the result before the worker's thread is back from the commit
+    # whose reply it then drops: wait for that, not only for the result.
+    wait_for(lambda: bool(lost), message="the completion's reply lost")
+    assert (record.status, record.attempts) == ("succeeded", 1)
     assert client.submit("and the next", detach=True).result(timeout=10).ok
     wait_for(lambda: len(_line_nodes(client)) == 1, message="one place in the line")
     assert len(result_ids(client)) == 2
