@@ -273,3 +273,27 @@ def test_a_caller_whose_queue_is_deleted_is_told_so(client: Client) -> None:
         admin.delete_queue("doomed", force=True)
     with pytest.raises(JobWithdrawn, match="its queue 'doomed' was deleted"):
         job.result(timeout=10)
+
+
+def test_a_delete_stopped_halfway_leaves_a_queue_that_works(client: Client, monkeypatch) -> None:
+    """A delete that stops after the pending tree went (connection trouble, Ctrl-C, a busy
+    directory) must not leave a queue nobody can submit to."""
+    import pytest
+
+    from zkqueue import queues
+    from zkqueue.errors import QueueBusy
+
+    client.submit("done before", queue="half", detach=True)
+    real = queues._delete_tree
+
+    def stop_at_claims(zk, path, queue):
+        if path.endswith("/claims"):
+            raise QueueBusy("stopped here")
+        real(zk, path, queue)
+
+    monkeypatch.setattr(queues, "_delete_tree", stop_at_claims)
+    with pytest.raises(QueueBusy):
+        client.delete_queue("half", force=True)
+    with Client(client.settings.hosts, client.layout.root) as producer:
+        for priority in ("high", "normal", "low"):
+            assert producer.submit("after", queue="half", priority=priority, detach=True).id

@@ -99,7 +99,8 @@ class Enqueuer:
             try:
                 found = read_tail(self._zk(), self.layout, queue, priority)
             except NoNodeError:  # the queue was deleted since this client made it: again
-                protocol.ensure_dirs(self._zk(), self.layout, queue)
+                # (every directory: a delete under way may have left the others)
+                protocol.ensure_dirs(self._zk(), self.layout, queue, all_of=True)
                 found = read_tail(self._zk(), self.layout, queue, priority)
             self._tails[(queue, priority)] = found
         return found

@@ -101,48 +101,68 @@ def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) ->
             f"queue {queue!r} has {stats['waiting']} waiting and {stats['running']} running "
             "job(s); cancel them or delete with --force"
         )
-    # Pending first, bucket by bucket: without force a job submitted after the count above
-    # makes its bucket's delete fail, and the queue stays with it. Then the rest, and the
-    # queue's node last, never recursively: a producer that made the queue again meanwhile
-    # keeps it (and its job).
+    # The completeness marker first (the last directory a queue is made with): a delete that
+    # stops anywhere after it leaves a queue every producer and worker makes whole again.
+    # Then pending, a priority at a time in one multi (its buckets and its node: all or
+    # nothing); without force a job submitted after the count above makes its bucket's delete
+    # fail, and the queue stays with it. Then the rest, and the queue's node last, never
+    # recursively: a producer that made the queue again meanwhile keeps it (and its job).
     try:
+        _delete_tree(zk, layout.queue_dirs(queue)[-1], queue)  # it may hold results
         for priority in defaults.PRIORITIES:
             _delete_priority(zk, layout.pending(queue, priority), force, queue)
-    except QueueBusy:
-        protocol.ensure_dirs(zk, layout, queue, all_of=True)  # what went before the job came
-        raise
-    pending = layout.queue_dirs(queue)[0]  # <queue>/pending
-    for directory in (layout.claims, layout.line, layout.expiry, layout.dead, layout.results):
-        _delete_tree(zk, directory(queue), queue)
-    try:
-        for path in (pending, layout.queue(queue)):
+        for directory in (layout.claims, layout.line, layout.expiry, layout.dead, layout.results):
+            _delete_tree(zk, directory(queue), queue)
+        for path in (layout.queue_dirs(queue)[0], layout.queue(queue)):  # pending, the queue
             with contextlib.suppress(NoNodeError):
                 zk.delete(path)
     except NotEmptyError:
+        protocol.ensure_dirs(zk, layout, queue, all_of=True)
         raise QueueBusy(
             f"queue {queue!r} was made again while it was being deleted (a producer or worker "
             "used it); it stays"
         ) from None
+    except QueueBusy:
+        protocol.ensure_dirs(zk, layout, queue, all_of=True)  # what went before the job came
+        raise
     return stats
 
 
 def _delete_priority(zk: KazooClient, path: str, force: bool, queue: str) -> None:
-    """Delete a priority's buckets, then its node; entries only with ``force``."""
+    """Delete a priority's buckets and its node in one multi (all or nothing: a tail pointer
+    never outlives its bucket); their entries first, only with ``force``."""
     for _ in range(_DELETE_TRIES):
         try:
-            for bucket in zk.get_children(path):
-                zk.delete(child(path, bucket), recursive=force)
-            zk.delete(path)
-            return
+            buckets = [child(path, b) for b in zk.get_children(path)]
         except NoNodeError:
             return
-        except NotEmptyError:
-            if not force:
-                raise QueueBusy(
-                    f"a job was submitted to queue {queue!r} while it was being deleted: the "
-                    "queue stays, with it"
-                ) from None
+        if force:
+            for bucket in buckets:
+                for name in _children(zk, bucket):
+                    with contextlib.suppress(NoNodeError):
+                        zk.delete(child(bucket, name), recursive=True)
+        txn = zk.transaction()
+        for bucket in buckets:
+            txn.delete(bucket)
+        txn.delete(path)
+        outcome = txn.commit()
+        if not any(isinstance(r, Exception) for r in outcome):
+            return
+        if not force and any(isinstance(r, NotEmptyError) for r in outcome):
+            raise QueueBusy(
+                f"a job was submitted to queue {queue!r} while it was being deleted: the "
+                "queue stays, with it"
+            )
+        # a bucket went or came meanwhile (another delete, a head pruning, a new tail): again
     raise QueueBusy(f"queue {queue!r} keeps getting new jobs; try again")
+
+
+def _children(zk: KazooClient, path: str) -> list[str]:
+    try:
+        names: list[str] = zk.get_children(path)
+    except NoNodeError:
+        return []
+    return names
 
 
 def _delete_tree(zk: KazooClient, path: str, queue: str) -> None:
