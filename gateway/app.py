@@ -131,6 +131,9 @@ class Gateway:
         except asyncio.CancelledError:
             # Only the server cancels a request: its drain timeout passed on shutdown. Answer
             # that (the job is withdrawn in done()) rather than let it be a bare 500.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # handled: later awaits of this answer are not cancelled
             raise ApiError(503, _SHUTDOWN, "server_error", "shutting_down") from None
         finally:
             done()

@@ -40,7 +40,25 @@ _CONNECTION: tuple[tuple[str, str, Any, type], ...] = (
 
 
 #: A timeout: seconds above 0.
-_SECONDS = click.FloatRange(min=0, min_open=True)
+class _Seconds(click.ParamType):
+    """A finite number of seconds, above 0 (``zero``: 0 allowed too)."""
+
+    name = "SECONDS"
+
+    def __init__(self, zero: bool = False) -> None:
+        self.zero = zero
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.zero):
+            self.fail(f"{value!r} is not a finite number of seconds above 0", param, ctx)
+        return seconds
+
+
+_SECONDS = _Seconds()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,7 +79,7 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
 )
 @click.option(
     "--drain-timeout",
-    type=click.FloatRange(min=0),
+    type=_Seconds(zero=True),
     default=30.0,
     show_default=True,
     help="On SIGTERM, seconds open requests may still finish.",
@@ -111,7 +129,9 @@ def serve(
                 host=host,
                 port=port,
                 drain_timeout=drain_timeout,
-                started=lambda _: click.echo(f"zkq serve: listening on {host}:{port}", err=True),
+                started=lambda _: click.echo(
+                    f"zkq serve: listening on {_where(host, port)}", err=True
+                ),
             )
             runner.run(job)
     except ZkqError as exc:
@@ -195,17 +215,29 @@ async def run(
                 timeout_graceful_shutdown=math.ceil(drain_timeout),
             )
         )
-        listening = sock if sock is not None else _listen(host, port)
+        listening = [sock] if sock is not None else _listen(host, port)
         if started is not None:
             started(server)
-        await server.serve(sockets=[listening])
+        await server.serve(sockets=listening)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound here so that a port in use is a configuration error (exit 7,
-    one line), as for ``zkq metrics``, not a log line of uvicorn's."""
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """The listening sockets, one per address ``host`` names (as uvicorn binds them: ``''`` is
+    every interface, ``localhost`` may be 127.0.0.1 and ::1), bound here so that a port in use
+    is a configuration error (exit 7, one line), as for ``zkq metrics``."""
+    sockets: list[socket.socket] = []
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, *_, address in dict.fromkeys((i[0], *i[1:]) for i in infos):
+            sockets.append(socket.create_server(address, family=family))
     except OSError as exc:
+        for sock in sockets:
+            sock.close()
         raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host or '*'}:{port}"

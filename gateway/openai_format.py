@@ -139,15 +139,19 @@ def _messages(raw: Any) -> list[dict[str, str]]:
 
 #: Message fields a client may send with a null value (an SDK's ``message.model_dump()`` of an
 #: earlier answer has them): ignored then; any other value asks for tools, which we lack.
-_NULL_ONLY = frozenset({"tool_calls", "function_call", "tool_call_id", "refusal", "audio"})
+_NULL_ONLY = frozenset(
+    {"tool_calls", "function_call", "tool_call_id", "refusal", "audio", "annotations"}
+)
 
 
 def _message(index: int, raw: Any) -> dict[str, str]:
     where = f"messages[{index}]"
     if not isinstance(raw, dict):
         raise invalid(f"{where} must be an object with role and content", where)
-    for key in set(raw) - {"role", "content", "name"}:
-        if key not in _NULL_ONLY or raw[key] is not None:
+    for key in sorted(set(raw) - {"role", "content", "name"}):
+        if key not in _NULL_ONLY:
+            raise invalid(f"{where}.{key} is not a message field", f"{where}.{key}")
+        if raw[key] is not None:
             raise invalid(f"{where}.{key} is not supported (tools are not)", f"{where}.{key}")
     if not isinstance(raw.get("name", ""), str):
         raise invalid(f"{where}.name must be a string", f"{where}.name")

@@ -156,13 +156,16 @@ def test_zkq_errors_map_to_one_status_each() -> None:
 def test_chat_history_as_sdks_resend_it() -> None:
     """An earlier answer resent as the SDK dumps it (name, tool_calls: null...) is accepted;
     a message that really asks for tools is refused, naming the field."""
+    from openai.types.chat import ChatCompletionMessage
+
     from gateway import openai_format as fmt
     from gateway.errors import ApiError
 
+    answer = ChatCompletionMessage(role="assistant", content="Hello").model_dump()
     history = [
         {"role": "system", "content": "Be brief.", "name": "setup"},
         {"role": "user", "content": "Hi", "name": "alice"},
-        {"role": "assistant", "content": "Hello", "tool_calls": None, "refusal": None},
+        answer,  # as the SDK dumps an earlier answer: its optional fields null
         {"role": "user", "content": "Again"},
     ]
     request = fmt.parse(fmt.CHAT, {"model": "m", "messages": history}, 64)

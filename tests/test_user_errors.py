@@ -214,6 +214,8 @@ CASES: dict[str, Case] = {
     ),
     "serve port out of range": Case(("serve", "--port", "70000"), U, "70000"),
     "serve negative drain": Case(("serve", "--drain-timeout", "-1"), U, "--drain-timeout"),
+    "serve infinite drain": Case(("serve", "--drain-timeout", "inf"), U, "finite"),
+    "serve nan timeout": Case(("serve", "--connect-timeout", "nan"), U, "finite"),
     "serve zero session timeout": Case(("serve", "--session-timeout", "0"), U, "--session-timeout"),
     "worker metrics port in use": Case(
         ("worker", "--metrics-port", "{port}"), CFG, "cannot serve metrics", None, _busy_port

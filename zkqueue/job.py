@@ -302,7 +302,8 @@ class Job(JobPaths):
 
     def _withdrawn_message(self) -> str:
         with contextlib.suppress(*_AWAY):
-            if self.client.zk.exists(self.client.layout.queue(self.queue)) is None:
+            # pending/<priority> goes first in a delete (the queue's node last)
+            if self.client.zk.exists(self.client.layout.pending(self.queue, self.priority)) is None:
                 return (
                     f"job {self.id} was withdrawn before it produced a result: its queue "
                     f"{self.queue!r} was deleted (zkq queue delete --force); resubmitting is safe"

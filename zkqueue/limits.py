@@ -24,6 +24,8 @@ _CACHE_SECONDS = 5.0
 
 #: The limits a queue may have, by field name.
 LIMITS = ("max_pending", "max_running")
+#: The largest limit: a signed 32-bit int, which any producer's JSON reader holds.
+MAX_LIMIT = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,11 @@ class Limits:
         for name, value in limits.items():
             if name not in LIMITS:
                 raise InvalidJob(f"unknown queue limit {name!r}")
-            if value is not None and (isinstance(value, bool) or value < 1):
-                raise InvalidJob(f"{name.replace('_', ' ')} must be at least 1 (or none)")
+            if value is not None and (isinstance(value, bool) or not 1 <= value <= MAX_LIMIT):
+                raise InvalidJob(
+                    f"{name.replace('_', ' ')} must be 1 to {MAX_LIMIT} (or none): producers in "
+                    "other languages read it as a 32-bit int"
+                )
         path = self.layout.queue(queue)
         while True:
             data, stat = self.zk.get(path)

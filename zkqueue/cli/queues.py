@@ -9,11 +9,9 @@ import click
 
 from zkqueue.cli.common import checked, emit, handles_errors, open_client, require_queue
 from zkqueue.layout import check_queue
-from zkqueue.limits import LIMITS, QueueSettings
+from zkqueue.limits import LIMITS, MAX_LIMIT, QueueSettings
 
 _NONE = ("none", "unlimited")
-#: The largest limit (a signed 32-bit int: any producer's JSON reader holds it).
-_MAX_LIMIT = 2**31 - 1
 
 
 class _Limit(click.ParamType):
@@ -32,8 +30,8 @@ class _Limit(click.ParamType):
             self.fail(f"{value!r} is not a whole number or 'none'", param, ctx)
         if number < 1:
             self.fail(f"{number} is below 1 (use 'none' to remove the limit)", param, ctx)
-        if number > _MAX_LIMIT:  # producers in other languages read it as a 32-bit int
-            self.fail(f"{number} is above {_MAX_LIMIT} (use 'none' for no limit)", param, ctx)
+        if number > MAX_LIMIT:  # producers in other languages read it as a 32-bit int
+            self.fail(f"{number} is above {MAX_LIMIT} (use 'none' for no limit)", param, ctx)
         return number
 
 
