@@ -98,8 +98,7 @@ class Claims(ClaimNodes):
         ]
 
     def complete(self, claim: Claim, record: Result, line: Line | None) -> bool:
-        """Write the result and remove the job, fenced by the token. False if we were fenced
-        out (cancelled, reclaimed, or our session is gone): nothing was written."""
+        """Write the result and remove the job, fenced by the token (False: fenced out)."""
         return self.complete_many([(claim, record)], line)[0]
 
     def complete_many(self, done: list[tuple[Claim, Result]], line: Line | None) -> list[bool]:
@@ -151,8 +150,7 @@ class Claims(ClaimNodes):
         *,
         with_result: bool = True,
     ) -> bool:
-        """Move an entry to dead/ with the reason; record a ``dead`` result when it has an id
-        (and ``with_result``: a duplicate of a finished id is lettered alone)."""
+        """Move an entry to dead/ with the reason, and a ``dead`` result (``with_result``)."""
         now = time.time()
         fields = dict(queue=self.queue, priority=priority, entry=name, reason=reason, id=job_id)
         letter = DeadLetter.of_entry(data, **fields, worker=self.worker_id, dead_at=now)
@@ -266,8 +264,7 @@ def open_bucket(
 
 
 def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str) -> bool:
-    """Cancel a pending or running entry: record a ``cancelled`` result and delete the entry in
-    one multi (a running worker sees the delete and stops). False if it had already ended."""
+    """Cancel an entry: a ``cancelled`` result and its delete in one multi (False: it ended)."""
     path = layout.entry(queue, priority, name)
     claim_call = zk.get_async(layout.claim(queue, name))
     try:
@@ -317,8 +314,7 @@ def _where(running: ClaimBody | None, now: float) -> str:
 
 
 def consume(zk: KazooClient, layout: Layout, queue: str, record: Result, size: int) -> None:
-    """Remove a result its caller has read, with its expiry index node (asynchronously: nobody
-    waits; a failure leaves both to the janitor's retention)."""
+    """Remove a read result and its index node, unawaited (a failure: the janitor's retention)."""
     if record.finished_at is None:
         zk.delete_async(layout.result(queue, record.id))
         return
@@ -382,6 +378,14 @@ def move(
     txn.delete(old)
     outcome = txn.commit()
     return None if transaction_failed(outcome) else str(outcome[0])
+
+
+def delete_all(zk: KazooClient, paths: list[str]) -> list[Any]:
+    """Delete ``paths`` in one multi, all or none (queue delete: a priority's buckets, then it)."""
+    txn = zk.transaction()
+    for path in paths:
+        txn.delete(path)
+    return txn.commit()
 
 
 def transaction_failed(outcome: list[Any]) -> bool:

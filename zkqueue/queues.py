@@ -10,7 +10,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
-from zkqueue import counts, defaults, protocol
+from zkqueue import claims, counts, defaults, protocol
 from zkqueue.errors import JobNotFound, QueueBusy
 from zkqueue.layout import Layout, child
 from zkqueue.limits import QueueSettings
@@ -141,12 +141,8 @@ def _delete_priority(zk: KazooClient, path: str, force: bool, queue: str) -> Non
                 for name in _children(zk, bucket):
                     with contextlib.suppress(NoNodeError):
                         zk.delete(child(bucket, name), recursive=True)
-        txn = zk.transaction()
-        for bucket in buckets:
-            txn.delete(bucket)
-        txn.delete(path)
-        outcome = txn.commit()
-        if not any(isinstance(r, Exception) for r in outcome):
+        outcome = claims.delete_all(zk, [*buckets, path])
+        if not claims.transaction_failed(outcome):
             return
         if not force and any(isinstance(r, NotEmptyError) for r in outcome):
             raise QueueBusy(
