@@ -21,7 +21,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 from zkqueue import claims, defaults, protocol
 from zkqueue.errors import ConfigurationError
 from zkqueue.layout import PROTOCOL_VERSION, EntryName, Layout, child, parse_bucket
-from zkqueue.nodes import Ticks
+from zkqueue.nodes import Ticks, children
 from zkqueue.result import Result
 
 log = logging.getLogger("zkq.migrate")
@@ -72,7 +72,7 @@ def _migrate_queue(
     zk: KazooClient, layout: Layout, queue: str, bucket_size: int, report: MigrationReport
 ) -> None:
     ticks = Ticks()
-    flat_results = [n for n in _children(zk, layout.results(queue)) if len(n) != 2]
+    flat_results = [n for n in children(zk, layout.results(queue)) if len(n) != 2]
     protocol.ensure_dirs(zk, layout, queue)
     for priority in defaults.PRIORITIES:
         _move_entries(zk, layout, queue, priority, bucket_size, report)
@@ -99,7 +99,7 @@ def _move_entries(
 ) -> None:
     directory = layout.pending(queue, priority)
     flat = []
-    for name in _children(zk, directory):
+    for name in children(zk, directory):
         if parse_bucket(name) is not None:
             continue
         try:
@@ -128,10 +128,3 @@ def _move_entries(
         moved += 1
         report.entries += 1
     log.info("queue %s/%s: %d entries moved at %s", queue, priority, moved, time.time())
-
-
-def _children(zk: KazooClient, path: str) -> list[str]:
-    try:
-        return list(zk.get_children(path))
-    except NoNodeError:
-        return []

@@ -1,5 +1,5 @@
 """Small reads and plain writes the transitions need: this session's own ephemeral nodes, the
-expiry index's tick buckets, the nodes below a node, a priority's tail bucket."""
+expiry index's tick buckets, a node's children or the nodes below it, a priority's tail bucket."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]
     session = zk.client_id[0]
     calls = [(n, zk.exists_async(child(directory, n))) for n in names if n not in known]
     return [n for n, call in calls if (s := call.get()) is not None and s.ephemeralOwner == session]
+
+
+def children(zk: KazooClient, path: str) -> list[str]:
+    """The names of ``path``'s children; none when ``path`` does not exist."""
+    try:
+        return list(zk.get_children(path))
+    except NoNodeError:
+        return []
 
 
 def descendants(zk: KazooClient, path: str, limit: int) -> list[str]:

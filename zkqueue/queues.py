@@ -10,7 +10,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
-from zkqueue import claims, counts, defaults, protocol
+from zkqueue import claims, counts, defaults, nodes, protocol
 from zkqueue.errors import JobNotFound, QueueBusy
 from zkqueue.layout import Layout, child
 from zkqueue.limits import QueueSettings
@@ -138,7 +138,7 @@ def _delete_priority(zk: KazooClient, path: str, force: bool, queue: str) -> Non
             return
         if force:
             for bucket in buckets:
-                for name in _children(zk, bucket):
+                for name in nodes.children(zk, bucket):
                     with contextlib.suppress(NoNodeError):
                         zk.delete(child(bucket, name), recursive=True)
         outcome = claims.delete_all(zk, [*buckets, path])
@@ -151,14 +151,6 @@ def _delete_priority(zk: KazooClient, path: str, force: bool, queue: str) -> Non
             )
         # a bucket went or came meanwhile (another delete, a head pruning, a new tail): again
     raise QueueBusy(f"queue {queue!r} keeps getting new jobs; try again")
-
-
-def _children(zk: KazooClient, path: str) -> list[str]:
-    try:
-        names: list[str] = zk.get_children(path)
-    except NoNodeError:
-        return []
-    return names
 
 
 def _delete_tree(zk: KazooClient, path: str, queue: str) -> None:
