@@ -297,8 +297,8 @@ class Worker:
     def _queue_gone(self) -> None:
         """The queue was deleted under us: make it again, re-read all (the watches went too)."""
         log.warning("queue %s was deleted under this worker: creating it again", self.queue)
-        protocol.ensure_dirs(self.zk, self.layout, self.queue)
-        self.zk.ensure_path(self.layout.line(self.queue))  # a delete under way may skip the above
+        # Every directory missing (a delete under way may have left the completeness marker).
+        protocol.ensure_dirs(self.zk, self.layout, self.queue, all_of=True)
         self.view.forget_watches()
 
     def _sweep(self) -> None:
