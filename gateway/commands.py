@@ -39,7 +39,6 @@ _CONNECTION: tuple[tuple[str, str, Any, type], ...] = (
 )
 
 
-#: A timeout: seconds above 0.
 class _Seconds(click.ParamType):
     """A finite number of seconds, above 0 (``zero``: 0 allowed too)."""
 
@@ -58,6 +57,7 @@ class _Seconds(click.ParamType):
         return seconds
 
 
+#: A timeout: seconds above 0.
 _SECONDS = _Seconds()
 
 
@@ -230,7 +230,7 @@ def _listen(host: str, port: int) -> list[socket.socket]:
         infos = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-        for family, *_, address in dict.fromkeys((i[0], *i[1:]) for i in infos):
+        for family, *_, address in dict.fromkeys(infos):  # the same address once
             sockets.append(socket.create_server(address, family=family))
     except OSError as exc:
         for sock in sockets:
