@@ -10,7 +10,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import defaults
+from zkqueue import defaults, nodes
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import RESULT_BUCKETS, EntryName, Layout, parse_bucket
 
@@ -21,11 +21,7 @@ def _answer(call: Any) -> Any:
 
 def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[int]:
     """A priority's bucket numbers in order (its child list: one name per ~1,000 entries)."""
-    try:
-        names = zk.get_children(layout.pending(queue, priority))
-    except NoNodeError:
-        return []
-    return _numbers(names)
+    return _numbers(nodes.children(zk, layout.pending(queue, priority)))
 
 
 def _numbers(names: list[str]) -> list[int]:
