@@ -35,7 +35,9 @@ OPTIONAL = {
 }
 #: The one module that builds ZooKeeper multis.
 TRANSITIONS = "zkqueue.claims"
-MAX_LINES = 400
+#: Lines of code a module holds at most: docstrings, comments and blank lines do not count, so
+#: the limit guides how much a module does and never costs a sentence of documentation.
+MAX_CODE_LINES = 500
 
 
 @dataclass(frozen=True)
@@ -161,12 +163,30 @@ def multis_outside_transitions(mods: list[Module]) -> list[str]:
     return bad
 
 
+def code_lines(source: str) -> int:
+    """Lines that hold code: not blank, not only a comment, not inside a docstring."""
+    tree = ast.parse(source)
+    docs: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return sum(
+        1
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docs
+    )
+
+
 def oversized(root: Path, packages: set[str]) -> list[str]:
     return [
-        f"{path.relative_to(root)}: {n} lines"
+        f"{path.relative_to(root)}: {n} lines of code"
         for package in sorted(packages)
         for path in sorted((root / package).rglob("*.py"))
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
+        if (n := code_lines(path.read_text())) > MAX_CODE_LINES
     ]
 
 
@@ -236,7 +256,8 @@ def bad_tree(tmp_path: Path) -> Path:
             "zkqueue/__init__.py": "",
             "zkqueue/a.py": "from zkqueue import b\nimport torch\n",
             "zkqueue/b.py": "from zkqueue.a import x\nfrom workers.loop import Worker\n",
-            "zkqueue/c.py": "def f(zk):\n    return zk.transaction()\n" + "x = 1\n" * 400,
+            "zkqueue/c.py": '"""Doc."""\n# why\ndef f(zk):\n    return zk.transaction()\n'
+            + "x = 1\n" * 500,
             "workers/__init__.py": "",
             "workers/loop.py": "from zkqueue import a\n",
         },
@@ -251,8 +272,13 @@ def test_rules_catch_a_bad_tree(bad_tree: Path) -> None:
     ]
     assert "zkqueue.a imports torch" in third_party_in_core(mods)
     assert cycles(project_edges(bad_tree, mods)) == [["workers.loop", "zkqueue.a", "zkqueue.b"]]
-    assert multis_outside_transitions(mods) == ["zkqueue.c:2"]
-    assert oversized(bad_tree, {"zkqueue", "workers"}) == ["zkqueue/c.py: 402 lines"]
+    assert multis_outside_transitions(mods) == ["zkqueue.c:4"]
+    assert oversized(bad_tree, {"zkqueue", "workers"}) == ["zkqueue/c.py: 502 lines of code"]
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blanks() -> None:
+    source = '"""Module.\n\nMore."""\n\n# why\ndef f() -> int:\n    """Doc."""\n    return 1\n'
+    assert code_lines(source) == 2
 
 
 def test_layout_section_is_read_line_by_line() -> None:
