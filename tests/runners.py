@@ -64,3 +64,50 @@ def generate_directly(model: Any, tokenizer: Any, prompt: str, max_new_tokens: i
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
     return str(tokenizer.decode(new, skip_special_tokens=True))
+
+
+class HoldRunner(ThreadedRunner):
+    """Holds each job until the test releases its prompt (``release``) or the job is cancelled
+    (preempted, withdrawn...), then echoes it."""
+
+    name = "hold"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._released: set[str] = set()
+        self._all = False
+        self._changed = threading.Condition()
+        #: Every job handed in, in order (a preempted and re-claimed job appears twice).
+        self.jobs: list[RunningJob] = []
+
+    def release(self, *prompts: str) -> None:
+        with self._changed:
+            self._released.update(prompts)
+            self._changed.notify_all()
+
+    def release_all(self) -> None:
+        with self._changed:
+            self._all = True
+            self._changed.notify_all()
+
+    def running(self) -> list[str]:
+        """Prompts of the jobs held now (not cancelled, not released)."""
+        with self._changed:
+            return [
+                j.spec.prompt
+                for j in self.jobs
+                if not j.cancelled.is_set()
+                and not self._all
+                and j.spec.prompt not in self._released
+                and j.progress == 0
+            ]
+
+    def run_one(self, job: RunningJob) -> Outcome:
+        with self._changed:
+            self.jobs.append(job)
+            while not (self._all or job.spec.prompt in self._released):
+                if job.cancelled.is_set():
+                    return Outcome(Status.CANCELLED, error=f"stopped: {job.cancel_reason}")
+                self._changed.wait(0.01)
+        job.progress = 1
+        return Outcome(Status.SUCCEEDED, output=job.spec.prompt)

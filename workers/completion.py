@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kazoo.protocol.states import ZnodeStat
 
@@ -127,6 +128,10 @@ class Completer:
         if reason == CancelReason.CANCELLED:
             self.claims.drop(claim)
             log.info("stopped: cancelled or withdrawn", extra=context)
+        elif reason == CancelReason.PREEMPTED:
+            # Given back in the multi that claimed the more urgent job: pending again, and
+            # this claim's token can no longer complete it.
+            log.info("stopped: preempted, pending again", extra=context)
         elif reason in _LOST_REASON:
             self.stats.fenced += 1
             self.metrics.claim_lost(_LOST_REASON[CancelReason(reason)])
@@ -167,11 +172,11 @@ class Completer:
             output=outcome.output,
             error=outcome.error,
             worker=self.worker_id,
-            attempts=claim.token,
+            attempts=claim.spec.attempts(claim.token),
             submitted_at=claim.submitted_at,
             started_at=claim.claimed_at,
             finished_at=finished,
-            extra=outcome.extra,
+            extra=_with_preemptions(outcome.extra, claim.spec.preemptions),
         )
 
     def _account(self, job: RunningJob, outcome: Outcome, ok: bool, finished: float) -> None:
@@ -227,3 +232,9 @@ class Completer:
     def _done(self, job: RunningJob) -> None:
         self.admission.release(job.pages)
         self.forget(job)
+
+
+def _with_preemptions(extra: dict[str, Any], preemptions: int) -> dict[str, Any]:
+    """The runner's figures, plus how often the job was preempted when it was (the result
+    record's ``preemptions``)."""
+    return {**extra, "preemptions": preemptions} if preemptions else extra

@@ -18,10 +18,12 @@ class Event(enum.StrEnum):
     STOP = "stop"  # stop() was called (a signal)
     REJOIN = "rejoin"  # a new session after a lost one: register again
     WAKE = "wake"  # look again (after a lost race or a reconnect)
+    BUSY = "busy"  # our predecessor in a busy line left, or a line ahead of it changed
+    URGENT = "urgent"  # a pending priority above our busy line's floor changed
 
 
 #: Events that are watch notifications (counted in the stats).
-WATCHES = (Event.LINE, Event.PENDING, Event.ENTRY)
+WATCHES = (Event.LINE, Event.PENDING, Event.ENTRY, Event.BUSY, Event.URGENT)
 
 
 class State(enum.StrEnum):

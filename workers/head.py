@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, Protocol
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
@@ -44,6 +44,18 @@ class _Read:
 
     def get(self) -> tuple[bytes, Any]:
         return self.found
+
+
+class Swap(Protocol):
+    """How a busy line's head pairs the entries it may claim with jobs it gives back."""
+
+    #: KV-cache pages of the jobs it may give back (they count as free when judging).
+    credit: int
+
+    def pair(self, picked: list[Candidate]) -> tuple[list[Candidate], list[tuple[Claim, bytes]]]:
+        """The candidates that get a job to displace (in order), and what to give back for
+        them: each claim with the spec its entry gets (the preemption counted)."""
+        ...
 
 
 @dataclass
@@ -88,12 +100,19 @@ class HeadTurn:
         self.cap = RunningCap(self.zk, self.layout, self.queue)
 
     def turn(
-        self, free: int, exclude: set[str], rejoin_if_room: bool
+        self,
+        free: int,
+        exclude: set[str],
+        rejoin_if_room: bool,
+        swap: Swap | None = None,
     ) -> list[tuple[Claim, int]] | None:
         """Claim up to ``free`` admissible entries not in ``exclude`` if this worker is the head
         of the line. Returns each claim with the KV-cache pages admission promised it ([] when
         nothing is claimable: the queue is empty for us, or we are not the head), or None if a
-        race was lost."""
+        race was lost. With ``swap`` (a busy line's head preempting: ``workers.preemption``)
+        ``free`` is how many jobs it may give back; each entry claimed is paired with one of
+        them, given back in the claim's multi, so the jobs running stay as many (the running
+        cap does not apply) and the given-back pages count as free."""
         # A turn is two round trips: the first asks whether we are head (when our predecessor
         # left, or we rejoined a line we were alone in), re-lists claims/ and the buckets the
         # first candidates come from, and reads the candidates we expect to claim; the second
@@ -125,7 +144,7 @@ class HeadTurn:
             self._skip = stale.index(ordered[0]) if ordered and ordered[0] in stale else None
         self._letter_malformed()
         self._gone = 0
-        cap = self.cap.value
+        cap = None if swap is not None else self.cap.value
         want = free if cap is None else min(free, cap - len(self.view.claimed))
         self.capped = want < free
         if self.capped:
@@ -134,14 +153,17 @@ class HeadTurn:
             self.view.watch_claims = False
         if want <= 0:
             return []
-        picked = self._pick(want, ordered, reads)
+        picked = self._pick(want, ordered, reads, swap.credit if swap is not None else 0)
+        give_back: list[tuple[Claim, bytes]] = []
+        if swap is not None:
+            picked, give_back = swap.pair(picked)
         if not picked:
             if self._gone:  # the view was stale (its entries had ended): list again, retry
                 self.view.invalidate()
                 return None
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
-        claimed = self.claims.claim(picked, self.line, rejoin=rejoin)
+        claimed = self.claims.claim(picked, self.line, rejoin=rejoin, give_back=give_back)
         if claimed is None:
             self.view.invalidate()
             return None
@@ -199,9 +221,11 @@ class HeadTurn:
         want: int,
         ordered: list[tuple[str, EntryName]],
         reads: dict[tuple[str, EntryName], Any],
+        credit: int = 0,
     ) -> list[Candidate]:
         """Judge ``ordered`` (the first candidates, in dispatch order) until ``want`` are
-        admitted; ``reads`` holds those already read."""
+        admitted; ``reads`` holds those already read; ``credit`` pages of the promised ones
+        are about to be given back."""
         picked: list[Candidate] = []
         start = 0
         while start < len(ordered):
@@ -222,7 +246,7 @@ class HeadTurn:
                 if result is not None and result.get() is not None:
                     self._duplicate(priority, entry, data, stat)
                     continue
-                extra = sum(c.pages for c in picked)
+                extra = sum(c.pages for c in picked) - credit
                 cand = self._judge(priority, entry, data, stat, extra)
                 if cand is not None:
                     picked.append(cand)
@@ -244,9 +268,9 @@ class HeadTurn:
         except InvalidJob as exc:
             self._letter(priority, entry.name, data, stat, f"invalid job spec: {exc}", entry.job_id)
             return None
-        if stat.version >= self.max_attempts:
+        if spec.attempts(stat.version) >= self.max_attempts:
             reason = (
-                f"claimed {stat.version} times without finishing "
+                f"claimed {spec.attempts(stat.version)} times without finishing "
                 f"(max_attempts={self.max_attempts}): a poison job or crashing workers"
             )
             self._letter(priority, entry.name, data, stat, reason, entry.job_id)

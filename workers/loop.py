@@ -27,10 +27,11 @@ from workers.head import HeadTurn
 from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
 from workers.options import WorkerOptions, default_worker_id, slots_for
+from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from workers.stats import WorkerStats
 from zkqueue import protocol
-from zkqueue.claims import Claims
+from zkqueue.claims import Claim, Claims
 from zkqueue.connection import TRANSIENT
 from zkqueue.layout import Layout, check_queue
 from zkqueue.line import Line
@@ -98,6 +99,19 @@ class Worker:
             opts.max_attempts,
         )
         self.bridge = RunnerBridge(zk, runner, self.claims, self.held, self._post, self.id)
+        policy = PreemptionPolicy(opts.preempt, opts.preempt_protect, opts.preempt_per_minute)
+        self.preemption = Preemption(
+            zk,
+            self.layout,
+            self.queue,
+            self.id,
+            self.claims,
+            self.admission,
+            self.metrics,
+            opts.max_attempts,
+            policy,
+            self._post,
+        )
         self.completer = Completer(
             self.claims,
             self.line,
@@ -131,6 +145,7 @@ class Worker:
         s.dead_lettered, s.rejected = head.dead_lettered + done.dead_lettered, head.rejected
         s.completed, s.failed, s.fenced = done.completed, done.failed, done.fenced
         s.released, s.out_of_memory = done.released, done.engine_failures
+        s.preempted = self.preemption.preempted
         return s
 
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -193,6 +208,8 @@ class Worker:
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
         if beat and self.line.recheck():  # the head: is its place still there?
             self.view.poll()  # entries created without the arrival signal
+        if beat:
+            self.preemption.recheck()  # the same for a busy line's head
         if beat and self.on_heartbeat is not None:
             self.on_heartbeat(self)
         live.maybe_renew(self._stats.claimed, len(self.completer))
@@ -237,6 +254,10 @@ class Worker:
             self._begin_stop(event[1])
         elif kind == Event.REJOIN:
             self.registry.register(wait=self.registry.session_lifetime())
+        elif kind == Event.BUSY:
+            self.preemption.line_changed()
+        elif kind == Event.URGENT:
+            self.preemption.view_changed(event[1])
 
     def _should_exit(self) -> bool:
         if self.state == State.STOPPED:
@@ -268,7 +289,12 @@ class Worker:
         free = self._free_slots()
         if self.state != State.RUNNING or free <= 0:
             self.head.drop_watches()
+            if self.state == State.RUNNING and self._room_after():
+                self._hand_in(self.preemption.turn(self.held))  # every slot busy
+            else:
+                self.preemption.leave()
             return
+        self.preemption.leave()  # a free slot: this worker stands in the line instead
         if not self.line.joined:
             try:
                 self.line.join()
@@ -284,6 +310,12 @@ class Worker:
         if not claimed:
             if self.line.known:  # the head found nothing it may claim (capped: jobs wait)
                 self._queue_empty = not self.head.capped
+            return
+        self._hand_in(claimed)
+
+    def _hand_in(self, claimed: list[tuple[Claim, int]]) -> None:
+        """Start the jobs a turn claimed, with the pages admission promised each."""
+        if not claimed:
             return
         self._stats.claimed += len(claimed)
         self.metrics.batch(self.queue, len(claimed))
@@ -304,7 +336,7 @@ class Worker:
     def _sweep(self) -> None:
         """A call failed with the connection, so its writes may have committed unseen: remove
         our unknown claims and line places, set the entry watches that could not be set."""
-        stray = self.claims.sweep(self.line, set(self.held))
+        stray = self.claims.sweep([self.line, *self.preemption.lines], set(self.held))
         self.bridge.watch([j for j in self.held.values() if not j.watched])
         self.liveness.unsure = False
         if stray:
@@ -355,6 +387,7 @@ class Worker:
         self.completer.cancel_all(CancelReason.LOST)
         self.line.forget()
         self.view.forget_watches()
+        self.preemption.forget()
 
     def _begin_stop(self, drain: bool) -> None:
         if self.state == State.DRAINING or not drain:
@@ -382,8 +415,10 @@ class Worker:
         self.head.drop_watches_soon()  # a draining worker is no longer head
         try:
             self.line.leave()
+            self.preemption.leave()
         except TRANSIENT:
             self.line.forget()
+            self.preemption.forget()
             self.liveness.unsure = True  # the node may still be there: the next sweep removes it
 
     def _shutdown(self) -> None:

@@ -111,6 +111,12 @@ class WorkerMetrics:
             ["queue"],
             registry=reg,
         )
+        self.preemptions = Counter(
+            "zkq_preemptions",
+            "Jobs this worker gave back for a more urgent one, by the given-back job's priority.",
+            ["queue", "priority"],
+            registry=reg,
+        )
         self._queues: set[str] = set()
         self.connection("LOST")
 
@@ -139,6 +145,10 @@ class WorkerMetrics:
     def batch(self, queue: str, size: int) -> None:
         """One head turn claimed ``size`` jobs."""
         self.batch_size.labels(queue).observe(size)
+
+    def preempted(self, queue: str, priority: str) -> None:
+        """A job of ``priority`` was given back for a more urgent one."""
+        self.preemptions.labels(queue, priority).inc()
 
     def cache(self, total: int, promised: int) -> None:
         """The worker's KV cache, in pages: its size and what jobs in flight were promised."""
@@ -197,6 +207,7 @@ class WorkerMetrics:
             return
         self._queues.add(queue)
         for priority in defaults.PRIORITIES:
+            self.preemptions.labels(queue, priority)
             for status in results.STATUSES:
                 self.jobs.labels(queue, priority, status)
         self.tokens.labels(queue)

@@ -16,6 +16,8 @@ class WorkerStats:
     rejected: int = 0
     #: Jobs the runner gave back because its engine failed (out of memory, a dead loop).
     out_of_memory: int = 0
+    #: Jobs given back for a more urgent one (workers.preemption).
+    preempted: int = 0
     #: Watch notifications this worker's session received (line, view, running entries).
     watch_events: int = 0
 

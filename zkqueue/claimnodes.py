@@ -4,6 +4,7 @@ sweeping what a lost reply left behind, dropping a claim on an entry that is gon
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
@@ -45,15 +46,17 @@ class ClaimNodes:
         renew(), so every write also renews the lease)."""
         claim.body.partial = text
 
-    def sweep(self, line: Line, held: set[str]) -> list[str]:
-        """Delete this session's claims on job ids not in ``held`` and its places in the line
-        other than ``line.node``: a claim or join that committed while its reply was lost with
-        the connection. Left alone, a place nobody holds heads the line and stalls the queue,
-        and a claim nobody runs holds its job until the lease runs out. Returns what went."""
+    def sweep(self, lines: Sequence[Line], held: set[str]) -> list[str]:
+        """Delete this session's claims on job ids not in ``held`` and its places in the
+        ``lines`` other than each one's ``node``: a claim or join that committed while its
+        reply was lost with the connection. Left alone, a place nobody holds heads its line
+        and stalls it, and a claim nobody runs holds its job until the lease runs out. Returns
+        what went."""
         claims = self.layout.claims(self.queue)
         stray = [child(claims, n) for n in own_untracked(self.zk, claims, held)]
-        places = own_untracked(self.zk, line.directory, {line.node} if line.node else set())
-        stray += [child(line.directory, n) for n in places]
+        for line in lines:
+            places = own_untracked(self.zk, line.directory, {line.node} if line.node else set())
+            stray += [child(line.directory, n) for n in places]
         for path in stray:
             with contextlib.suppress(NoNodeError):
                 self.zk.delete(path)

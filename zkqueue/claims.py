@@ -11,6 +11,10 @@
             delete(entry) + delete(claims/<id>) [+ rejoin the line]. A stale worker's multi
             fails as a whole.
 - release:  check(entry, token) + delete(claims/<id>): the job is pending again.
+- preempt:  the claim multi of a more urgent job, which also gives jobs of this worker back:
+            set_data(their entry, spec with preemptions + 1, version=token) + delete(their
+            claim). All or nothing: a preempted job is pending again exactly when the urgent
+            one is claimed, and its old token can no longer complete it.
 - dead:     create dead/<letter> [+ result + index] + delete(entry, version).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kazoo.client import KazooClient, TransactionRequest
@@ -60,11 +65,24 @@ class Claims(ClaimNodes):
     def entry_path(self, priority: str, entry: EntryName) -> str:
         return self.layout.entry(self.queue, priority, entry.name)
 
-    def claim(self, picked: list[Candidate], line: Line, rejoin: bool) -> list[Claim] | None:
+    def claim(
+        self,
+        picked: list[Candidate],
+        line: Line,
+        rejoin: bool,
+        give_back: Sequence[tuple[Claim, bytes]] = (),
+    ) -> list[Claim] | None:
         """Claim ``picked`` in one multi that also leaves the line (and rejoins it at the back
-        when slots stay free). None if any entry changed under us: nothing was claimed."""
+        when slots stay free). ``give_back`` preempts claims of this worker in the same multi:
+        each entry's data becomes the given spec (its preemption counted) and is pending
+        again. None if any entry changed under us: nothing was claimed, nothing given back
+        (a preempted job was cancelled or fenced meanwhile, or an urgent one claimed by
+        another head)."""
         now = time.time()
         txn = self.zk.transaction()
+        for claim, spec in give_back:
+            txn.set_data(self.entry_path(claim.priority, claim.entry), spec, version=claim.token)
+            txn.delete(self.layout.claim(self.queue, claim.id))
         bodies = []
         for c in picked:
             token = c.stat.version + 1

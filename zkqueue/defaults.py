@@ -63,6 +63,12 @@ STREAM_INTERVAL = 0.25
 ENTRY_WATCH_DELAY = 0.05
 
 WORKER_SLOTS = 1
+#: Preemption (workers.preemption): a full worker gives back its newest job of a lower priority
+#: for a more urgent one that waits; a job preempted less than PREEMPT_PROTECT seconds ago is
+#: left alone, and a worker preempts at most PREEMPT_PER_MINUTE jobs in any minute.
+PREEMPT = True
+PREEMPT_PROTECT = 30.0
+PREEMPT_PER_MINUTE = 60
 HEARTBEAT_INTERVAL = 2.0
 DRAIN_TIMEOUT = 60.0
 ECHO_DELAY = 0.0

@@ -6,6 +6,8 @@ else. Every parent that grows with traffic is split into bounded buckets (docs/P
 <root>/queues/<queue>/pending/<priority>/<bucket>/<id>-<seq>   a job waiting or running (spec)
 <root>/queues/<queue>/claims/<id>                         EPHEMERAL: the running worker's claim
 <root>/queues/<queue>/line/w-<seq>                        EPHEMERAL_SEQUENTIAL: a worker with room
+<root>/queues/<queue>/busy/<floor>/w-<seq>                EPHEMERAL_SEQUENTIAL: a full worker that
+                                                          may preempt a job of priority <floor>
 <root>/queues/<queue>/results/<hh>/<id>                   result record; hh from a hash of the id
 <root>/queues/<queue>/expiry/<tick>/<id>-<bytes>          the expiry index of results, by time
 <root>/queues/<queue>/dead/<letter>                       dead-lettered entry and reason (bounded)
@@ -34,6 +36,8 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 _SEQ_RE = re.compile(r"^(\d{10}|-\d{9,10})$")
 _BUCKET_RE = re.compile(r"^\d{10}$")
 LINE_PREFIX = "w-"
+#: Priorities a running job may be preempted from (by a job of a higher one): all but the first.
+PREEMPTIBLE = defaults.PRIORITIES[1:]
 #: ZooKeeper's sequence counter is a signed 32-bit int; after 2**31 - 1 it wraps to negative.
 _SEQ_WRAP = 2**32
 #: Hash buckets of results/: 256, named by two hex digits.
@@ -254,6 +258,14 @@ class Layout:
     def line(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/line"
 
+    def busy(self, queue: str) -> str:
+        """The busy lines: workers with no free slot that run a job a more urgent one may
+        preempt, one line per ``floor`` (the lowest priority such a worker could give back)."""
+        return f"{self.root}/queues/{queue}/busy"
+
+    def busy_line(self, queue: str, floor: str) -> str:
+        return f"{self.busy(queue)}/{floor}"
+
     def results(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/results"
 
@@ -309,6 +321,8 @@ class Layout:
             *first,
             self.claims(queue),
             self.line(queue),
+            self.busy(queue),
+            *(self.busy_line(queue, p) for p in PREEMPTIBLE),
             self.expiry(queue),
             self.dead(queue),
             self.results(queue),

@@ -111,7 +111,14 @@ def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) ->
         _delete_tree(zk, layout.queue_dirs(queue)[-1], queue)  # it may hold results
         for priority in defaults.PRIORITIES:
             _delete_priority(zk, layout.pending(queue, priority), force, queue)
-        for directory in (layout.claims, layout.line, layout.expiry, layout.dead, layout.results):
+        for directory in (
+            layout.claims,
+            layout.line,
+            layout.busy,
+            layout.expiry,
+            layout.dead,
+            layout.results,
+        ):
             _delete_tree(zk, directory(queue), queue)
         for path in (layout.queue_dirs(queue)[0], layout.queue(queue)):  # pending, the queue
             with contextlib.suppress(NoNodeError):

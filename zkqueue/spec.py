@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zkqueue import defaults
@@ -30,7 +30,9 @@ PARAMS = (
     "stop",
     "messages",
 )
-_FIELDS = ("v", "prompt", "max_new_tokens", *PARAMS)
+#: Fields only a worker writes: how often the job was given back for a more urgent one.
+PREEMPTION_FIELDS = ("preemptions", "preempted_at")
+_FIELDS = ("v", "prompt", "max_new_tokens", *PARAMS, *PREEMPTION_FIELDS)
 #: At most this many stop strings, each at most this many characters.
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
@@ -63,6 +65,13 @@ class JobSpec:
     #: A chat: ``({"role": "system"|"user"|"assistant", "content": str}, ...)``; the worker renders
     #: it with the tokenizer's chat template (or ``render_plain`` where it has none).
     messages: tuple[dict[str, str], ...] | None = None
+    #: Times a worker gave this job back to the queue for a more urgent one (written by that
+    #: worker in the give-back, never by producers). A preemption moves the entry's version
+    #: twice (its claim and the give-back), and neither counts as an attempt: see ``attempts``.
+    preemptions: int = 0
+    #: When the job was last preempted (unix seconds): workers leave a recently preempted job
+    #: alone for a while, so a job cannot be bounced between priorities without end.
+    preempted_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.messages is not None:
@@ -86,6 +95,17 @@ class JobSpec:
             _check_int("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidJob(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
+        _check_int("preemptions", self.preemptions, 0, 2**31 - 1)
+        _check_opt_float("preempted_at", self.preempted_at, 0.0, 1e11)
+
+    def attempts(self, version: int) -> int:
+        """Claims of the job that count against ``max_attempts``, from its entry's version (one
+        per claim, two per preemption: the preempted claim and the give-back)."""
+        return max(0, version - 2 * self.preemptions)
+
+    def preempted(self, now: float) -> JobSpec:
+        """This spec as the give-back of a preemption at ``now`` writes it."""
+        return replace(self, preemptions=self.preemptions + 1, preempted_at=now)
 
     @property
     def text(self) -> str:
@@ -104,6 +124,8 @@ class JobSpec:
                 out[name] = list(value) if isinstance(value, tuple) else value
         if self.messages is not None:
             del out["prompt"]
+        if self.preemptions:
+            out.update(preemptions=self.preemptions, preempted_at=self.preempted_at)
         return out
 
     def to_bytes(self, limit: int = defaults.MAX_SPEC_BYTES) -> bytes:

@@ -82,9 +82,12 @@ class PendingView:
     signalled: set[Any] = field(default_factory=set)
     #: Watch claims/ too (the head is capped by max_running: a claim ending frees a slot).
     watch_claims: bool = False
+    #: The priorities this view covers, in dispatch order: all of them for the line's head;
+    #: those above its floor for a busy line's head (``workers.preemption``).
+    priorities: tuple[str, ...] = defaults.PRIORITIES
 
     def __post_init__(self) -> None:
-        self._dirty: set[Part] = {*defaults.PRIORITIES, CLAIMS}
+        self._dirty: set[Part] = {*self.priorities, CLAIMS}
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -102,7 +105,7 @@ class PendingView:
             # Re-list everything; the watches stay set on the server (and in these books, so a
             # bucket is never watched both ways, and unwatch() removes what is set). A fired
             # watch comes back through invalidate(part); a lost session through forget_watches().
-            self._dirty = {*defaults.PRIORITIES, CLAIMS, *self.listed}
+            self._dirty = {*self.priorities, CLAIMS, *self.listed}
         else:
             self._dirty.add(part)
             self.armed.discard(part)
@@ -126,7 +129,7 @@ class PendingView:
         self.arrived = {}
         # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
-        names = {p for p in defaults.PRIORITIES if p not in self.armed}
+        names = {p for p in self.priorities if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
         parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
         parts |= self._uncertain(exclude)
@@ -147,7 +150,7 @@ class PendingView:
         self._waiting = len(have) < want
         if self._waiting:
             # A waiting head watches each priority's bucket names and its tail bucket.
-            waiting = {*defaults.PRIORITIES, *self._tails()} - self.armed
+            waiting = {*self.priorities, *self._tails()} - self.armed
             # While jobs run (or are about to: the head claims ``have`` now), tails are watched
             # through their data, which producers touch in every enqueue: a child watch would
             # also fire when those jobs complete (a running job's entry stays in its bucket,
@@ -195,7 +198,7 @@ class PendingView:
     def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
         """The listed tail buckets of the priorities ranked above the best candidate's."""
         best = next(self.candidates(set(exclude)), None)
-        above = defaults.PRIORITIES[: defaults.PRIORITIES.index(best[0])] if best else ()
+        above = self.priorities[: self.priorities.index(best[0])] if best else ()
         return {t for t in self._tails() if t[0] in above} - self._trusted()
 
     def _tails(self) -> set[Part]:
@@ -204,7 +207,7 @@ class PendingView:
 
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
         """Unclaimed entries in dispatch order: priority rank, then bucket and sequence."""
-        for priority in defaults.PRIORITIES:
+        for priority in self.priorities:
             for bucket in self.buckets.get(priority, []):
                 entries = self.listed.get((priority, bucket))
                 if entries is None:
@@ -312,7 +315,7 @@ class PendingView:
         """Buckets to list next: per priority, the first unlisted ones while the listed ones
         hold fewer than WANT unclaimed entries. Empty buckets before the tail are deleted."""
         more: set[Part] = set()
-        for priority in defaults.PRIORITIES:
+        for priority in self.priorities:
             numbers = self.buckets.get(priority, [])
             have = 0
             for bucket in numbers:

@@ -40,6 +40,8 @@ class CancelReason(enum.StrEnum):
     LEASE = "lease"
     #: We give the job back (drain, shutdown, engine failure).
     RELEASED = "released"
+    #: We gave the job back for a more urgent one (already pending again: nothing to write).
+    PREEMPTED = "preempted"
     #: The session that held the claim is gone.
     LOST = "lost"
 
@@ -78,6 +80,9 @@ class RunningJob:
     watched: bool = False
     #: When its claim was last written (claimed, renewed or published), monotonic seconds.
     renewed_at: float = field(default_factory=time.monotonic)
+    #: The spec its entry gets if the worker preempts it (the preemption counted), made
+    #: when the job is chosen as a victim (``workers.preemption``).
+    given_back: bytes | None = None
     #: When the worker first tried to write its result (unix seconds): the record's
     #: ``finished_at``, the same on a retry.
     ended_at: float | None = None
@@ -89,7 +94,7 @@ class RunningJob:
             spec=claim.spec,
             priority=claim.priority,
             queue=claim.queue,
-            attempts=claim.token,
+            attempts=claim.spec.attempts(claim.token),
             claimed_at=claim.claimed_at,
             claim=claim,
             pages=pages,

@@ -1,0 +1,172 @@
+"""Preemption against a real ZooKeeper: a full worker gives back its newest lower-priority job for
+a more urgent one, in one multi; the given-back job is pending again, uncounted, and ends with
+exactly one result; with preemption off an urgent job waits for a slot, as before."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tests.conftest import WorkerThread, flush_watches, result_ids, wait_for
+from tests.runners import HoldRunner
+from workers.runners.echo import EchoRunner
+from zkqueue import Client
+from zkqueue.spec import JobSpec
+
+
+def _full_worker(
+    start_worker: Callable[..., WorkerThread],
+    client: Client,
+    slots: int,
+    waiting: int = 2,
+    **opts: Any,
+) -> tuple[HoldRunner, WorkerThread, list[str]]:
+    """A worker whose ``slots`` all run low jobs (held), with ``waiting`` more behind them."""
+    runner = HoldRunner()
+    handle = start_worker(runner, slots=slots, **opts)
+    lows = [
+        client.submit(f"low-{i}", priority="low", detach=True).id for i in range(slots + waiting)
+    ]
+    wait_for(lambda: len(runner.running()) == slots, message="every slot busy")
+    return runner, handle, lows
+
+
+def _spec(client: Client, job_id: str) -> JobSpec:
+    job = client.job(job_id)
+    assert job.info()["state"] == "pending"
+    data, _ = client.zk.get(job.entry_path)
+    return JobSpec.from_bytes(data)
+
+
+def test_a_high_job_takes_the_newest_low_jobs_slot(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, lows = _full_worker(start_worker, client, slots=3)
+    first = runner.running()
+    high = client.submit("urgent", priority="high", detach=True)
+    wait_for(lambda: "urgent" in runner.running(), message="the high job running")
+    # The newest low job (the last claimed) was given back; the others still run.
+    assert sorted(runner.running()) == sorted([*first[:-1], "urgent"])
+    victim = lows[int(first[-1].split("-")[1])]
+    spec = _spec(client, victim)  # pending again, its preemption counted in its spec
+    assert spec.preemptions == 1 and spec.preempted_at is not None
+    assert handle.worker.stats.preempted == 1
+    runner.release_all()
+    assert high.result(timeout=10).ok
+    # Every low job ends succeeded, once; the preempted one says so, with one attempt.
+    results = {job_id: client.job(job_id).result(timeout=15) for job_id in lows}
+    assert all(r.ok for r in results.values())
+    assert results[victim].get("preemptions") == 1
+    assert results[victim].attempts == 1
+    assert [r.get("preemptions") for j, r in results.items() if j != victim] == [None] * 4
+    assert len(result_ids(client)) == len(lows) + 1
+
+
+def test_preempted_jobs_are_the_lowest_priority_first(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner = HoldRunner()
+    start_worker(runner, slots=2)
+    client.submit("normal", priority="normal", detach=True)
+    wait_for(lambda: runner.running() == ["normal"], message="the normal job running")
+    client.submit("low", priority="low", detach=True)  # newer, but lower: the victim
+    wait_for(lambda: len(runner.running()) == 2, message="slots busy")
+    high = client.submit("urgent", priority="high", detach=True)
+    wait_for(lambda: "urgent" in runner.running(), message="the high job running")
+    assert sorted(runner.running()) == ["normal", "urgent"]
+    runner.release_all()
+    assert high.result(timeout=10).ok
+
+
+def test_a_normal_job_preempts_a_low_one(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, _, _ = _full_worker(start_worker, client, slots=2, waiting=0)
+    client.submit("normal", priority="normal", detach=True)
+    wait_for(lambda: "normal" in runner.running(), message="the normal job running")
+    runner.release_all()
+
+
+def test_an_idle_worker_takes_the_urgent_job_instead(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, busy, _ = _full_worker(start_worker, client, slots=2, waiting=0)
+    idle = start_worker(EchoRunner(), slots=1)
+    high = client.submit("urgent", priority="high", detach=True)
+    assert high.result(timeout=10).worker == idle.worker.id
+    flush_watches(busy.worker.zk)
+    assert busy.worker.stats.preempted == 0
+    assert len(runner.running()) == 2
+    runner.release_all()
+
+
+def test_jobs_of_the_same_priority_are_never_preempted(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner = HoldRunner()
+    handle = start_worker(runner, slots=2)
+    for i in range(2):
+        client.submit(f"high-{i}", priority="high", detach=True)
+    wait_for(lambda: len(runner.running()) == 2, message="slots busy")
+    late = client.submit("late", priority="high", detach=True)
+    flush_watches(handle.worker.zk)
+    assert late.status() == "pending"
+    assert handle.worker.stats.preempted == 0
+    runner.release_all()
+    assert late.result(timeout=10).ok
+
+
+def test_without_preemption_an_urgent_job_waits_for_a_slot(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, lows = _full_worker(start_worker, client, slots=2, preempt=False)
+    high = client.submit("urgent", priority="high", detach=True)
+    # Nobody hears of it (a full worker stands in no line): it waits, every low job runs on.
+    flush_watches(handle.worker.zk)
+    assert high.status() == "pending"
+    assert sorted(runner.running()) == ["low-0", "low-1"]
+    runner.release("low-0")
+    wait_for(lambda: "urgent" in runner.running(), message="the high job in the freed slot")
+    # It went before the low jobs that were still waiting.
+    seen = [j.spec.prompt for j in runner.jobs]
+    assert seen[:3] == ["low-0", "low-1", "urgent"]
+    runner.release_all()
+    assert high.result(timeout=10).ok
+    assert handle.worker.stats.preempted == 0
+    for job_id in lows:
+        record = client.job(job_id).result(timeout=10)
+        assert record.ok and record.get("preemptions") is None
+
+
+def test_a_recently_preempted_job_is_protected(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, lows = _full_worker(
+        start_worker, client, slots=1, waiting=1, preempt_protect=600
+    )
+    client.submit("urgent-1", priority="high", detach=True)
+    wait_for(lambda: runner.running() == ["urgent-1"], message="the first preemption")
+    runner.release("urgent-1")
+    # low-0, given back, is first in line again, and now protected.
+    wait_for(lambda: runner.running() == ["low-0"], message="the preempted job running again")
+    second = client.submit("urgent-2", priority="high", detach=True)
+    flush_watches(handle.worker.zk)
+    assert second.status() == "pending"
+    assert handle.worker.stats.preempted == 1
+    runner.release_all()
+    assert second.result(timeout=10).ok
+    assert client.job(lows[0]).result(timeout=10).get("preemptions") == 1
+
+
+def test_preemptions_per_minute_are_capped(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, _ = _full_worker(start_worker, client, slots=2, preempt_per_minute=1)
+    client.submit("urgent-1", priority="high", detach=True)
+    wait_for(lambda: "urgent-1" in runner.running(), message="the first preemption")
+    second = client.submit("urgent-2", priority="high", detach=True)
+    flush_watches(handle.worker.zk)
+    assert second.status() == "pending"
+    assert handle.worker.stats.preempted == 1
+    runner.release_all()
+    assert second.result(timeout=10).ok
