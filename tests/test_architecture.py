@@ -171,9 +171,12 @@ def code_lines(source: str) -> int:
         body = getattr(node, "body", None)
         if isinstance(body, list) and body:
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                if isinstance(first.value.value, str):
-                    docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     return sum(
         1
         for number, line in enumerate(source.splitlines(), 1)

@@ -13,7 +13,7 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import ConnectionLoss
 from kazoo.protocol.connection import _CONNECTION_DROP
 
-from scripts.chaos import crashes, garbage, outages
+from scripts.chaos import crashes, garbage, outages, preempt
 from scripts.chaos.audit import ChaosReport
 from tests.conftest import result_ids, wait_for
 from workers.runners.echo import EchoRunner
@@ -90,6 +90,13 @@ def test_garbage_entries_are_dead_lettered_and_good_jobs_run(zk_cluster: ZkClust
     assert_promise_held(report)
     kinds = len(garbage.BAD_DATA) + len(garbage.BAD_NAMES)
     assert report.details["dead_letters"] == report.details["garbage_entries"] >= kinds + 2
+
+
+def test_preemption_forced_often_with_a_worker_killed(zk_cluster: ZkCluster) -> None:
+    report = preempt.preemption_storm(lows=24, highs=8, workers=2, hosts=zk_cluster.hosts)
+    assert_promise_held(report)
+    assert report.details["preemptions"] >= 1
+    assert report.checks["high jobs waited less than low ones"]
 
 
 # -- regressions for bugs the scenarios found -----------------------------------------------

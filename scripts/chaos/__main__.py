@@ -38,6 +38,7 @@ FULL: dict[str, dict[str, Any]] = {
     "ensemble": {"jobs": 200, "workers": 4},
     "hung": {"jobs": 40, "workers": 3},
     "garbage": {"jobs": 100, "workers": 3},
+    "preempt": {"lows": 60, "highs": 16, "workers": 3},
 }
 #: Sizes of --quick: those of tests/test_chaos.py.
 QUICK: dict[str, dict[str, Any]] = {
@@ -47,6 +48,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "ensemble": {"jobs": 30, "workers": 3},
     "hung": {"jobs": 6, "workers": 1},
     "garbage": {"jobs": 8, "workers": 2},
+    "preempt": {"lows": 24, "highs": 8, "workers": 2},
 }
 
 #: What each fault stands for in production and what the system is expected to do about it.
@@ -90,6 +92,14 @@ EXPLAIN: dict[str, str] = {
         "carries a lease that the worker renews only while the runner makes progress; the "
         "elected janitor deletes the lapsed claim, a healthy worker runs the job (attempt 2), and "
         "when the hung runner finally returns, its completion is refused by the fencing token."
+    ),
+    "preempt": (
+        "Every slot of the fleet runs a low job and a high job arrives every second: the head of "
+        "a busy line (a full worker) gives back its newest low job in the multi that claims the "
+        "high one, so the low job is pending again with its preemption counted (not an "
+        "attempt), and its old claim can no longer complete it. Preemption protection is cut to "
+        "0.5 s so the same low job can be preempted again and again, and one worker is killed "
+        "with -9 mid-run. Every low job still ends succeeded exactly once."
     ),
     "garbage": (
         "Any client can write anything under `pending/`: entries that are not JSON, not UTF-8, "

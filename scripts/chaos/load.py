@@ -23,9 +23,16 @@ class Feeder:
     second. ``pause()`` holds it (e.g. while the ensemble has no quorum)."""
 
     def __init__(
-        self, hosts: str, root: str, total: int, rate: float, session_timeout: float
+        self,
+        hosts: str,
+        root: str,
+        total: int,
+        rate: float,
+        session_timeout: float,
+        priority: str = "normal",
     ) -> None:
         self.hosts, self.root = hosts, root
+        self.priority = priority
         self.total, self.rate = total, rate
         self.session_timeout = session_timeout
         self.ids: list[str] = []
@@ -78,7 +85,8 @@ class Feeder:
 
     def _submit(self, client: Client, i: int) -> None:
         try:
-            self.ids.append(client.submit(f"chaos job {i}", detach=True).id)
+            job = client.submit(f"chaos {self.priority} job {i}", self.priority, detach=True)
+            self.ids.append(job.id)
         except ZkqError as exc:
             # Nothing of ours to audit: the error says the job may not exist (see RELIABILITY.md)
             self.errors.append(f"job {i}: {exc}")
@@ -125,8 +133,8 @@ def spawn_fleet(
     return fleet
 
 
-def feed(st: Stage, total: int, rate: float) -> Feeder:
-    feeder = Feeder(st.hosts, st.root, total, rate, st.session_timeout).start()
+def feed(st: Stage, total: int, rate: float, priority: str = "normal") -> Feeder:
+    feeder = Feeder(st.hosts, st.root, total, rate, st.session_timeout, priority).start()
     st.on_close(feeder.stop)
     return feeder
 

@@ -8,6 +8,7 @@ from scripts.chaos.audit import ChaosReport
 from scripts.chaos.crashes import hung_worker, kill_workers, stop_worker
 from scripts.chaos.garbage import garbage_entries
 from scripts.chaos.outages import ensemble_failover, zookeeper_restart
+from scripts.chaos.preempt import preemption_storm
 
 SCENARIOS: dict[str, Callable[..., ChaosReport]] = {
     "kill-9": kill_workers,
@@ -16,4 +17,5 @@ SCENARIOS: dict[str, Callable[..., ChaosReport]] = {
     "ensemble": ensemble_failover,
     "hung": hung_worker,
     "garbage": garbage_entries,
+    "preempt": preemption_storm,
 }

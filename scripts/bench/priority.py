@@ -1,0 +1,217 @@
+"""Priority under load: how fast a high job finishes on a busy fleet of model workers, against the
+same jobs on an idle one.
+
+    .venv/bin/python -m scripts.bench.priority [--workers 1 4] [--lows 300] [--highs 5]
+        [--configs default no-preempt] [--json FILE]
+
+For each worker count and each configuration, fresh ``zkq worker --model`` processes serve a
+fresh queue, on the tiny model (CPU), each with the flags the configuration names:
+
+1. Idle: ``--highs`` high jobs (about 100 prompt tokens, 256 new, end of sequence ignored) sent
+   at once; their latency is the result's ``finished_at - submitted_at``.
+2. Load: ``--lows`` low jobs of the same shape queued first, then, ``--after`` seconds later,
+   the same high jobs; their latency, and the place each one finished among every job that ended
+   meanwhile. The low jobs left are then cancelled.
+
+The figure is the ratio of the loaded p50 to the idle p50 (the target: at most 2x). ZooKeeper,
+the workers and this harness share the host's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from zkqueue import Client
+from zkqueue.result import Result
+from zkqueue.testing import ZkCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_ROOT = "/bench-priority"
+#: The flags each configuration adds to ``zkq worker`` (the defaults are the new admission and
+#: preemption; "before" is what a worker did before both: up to 256 jobs in flight).
+CONFIGS = {
+    "default": [],
+    "no-preempt": ["--no-preempt"],
+    "before": ["--no-preempt", "--max-concurrency", "256"],
+}
+#: ~100 tokens of the tiny model's tokenizer (its own corpus, so words are whole tokens).
+PROMPT = (
+    "A priority queue hands the most urgent job to the next free worker. High comes before "
+    "normal, normal before low, and inside one priority the first job submitted is the first "
+    "job served. ZooKeeper keeps the shared state: pending entries, claims, results and the "
+    "line of idle workers. Each worker watches only its predecessor in the line, so a new job "
+    "wakes one session, not all. A GPU worker loads the model weights once and keeps them "
+    "resident in device memory."
+)
+
+
+def spawn_worker(hosts: str, queue: str, model: str, flags: list[str], log: Path) -> Any:
+    cmd = [sys.executable, "-m", "zkqueue.cli", "--zk", hosts, "--root", BENCH_ROOT]
+    cmd += ["worker", "--queue", queue, "--model", model, "--no-janitor", *flags]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = open(log, "a")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_ready(client: Client, queue: str, count: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = [
+            w for w in client.workers() if w.get("queue") == queue and w.get("state") == "running"
+        ]
+        if len(ready) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{count} worker(s) of {queue} not ready in {timeout:.0f}s")
+
+
+def job_spec(prompt: str, new_tokens: int) -> dict[str, Any]:
+    return {"prompt": prompt, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+
+def latencies(records: list[Result]) -> list[float]:
+    return [float(r.finished_at or 0) - float(r.submitted_at or 0) for r in records]
+
+
+def phase_idle(client: Client, queue: str, prompt: str, highs: int, new: int) -> dict[str, Any]:
+    jobs = client.submit_many(
+        [job_spec(f"{prompt} {i}", new) for i in range(highs)], priority="high", queue=queue
+    )
+    records = [job.result(timeout=600) for job in jobs]
+    times = latencies(records)
+    return {
+        "p50_s": statistics.median(times),
+        "max_s": max(times),
+        "prompt_tokens": records[0].get("prompt_tokens"),
+        "ok": sum(r.ok for r in records),
+    }
+
+
+def phase_load(
+    client: Client, queue: str, prompt: str, lows: int, highs: int, new: int, after: float
+) -> dict[str, Any]:
+    low_jobs = client.submit_many(
+        [job_spec(f"{prompt} {i}", new) for i in range(lows)], priority="low", queue=queue
+    )
+    time.sleep(after)
+    sent = time.time()
+    high_jobs = client.submit_many(
+        [job_spec(f"{prompt} {i}", new) for i in range(highs)], priority="high", queue=queue
+    )
+    records = [job.result(timeout=900) for job in high_jobs]
+    done_by = max(float(r.finished_at or 0) for r in records)
+    ended = []
+    for job in low_jobs:
+        if job.status() not in ("pending", "running"):
+            record = job.result(timeout=1)
+            ended.append(float(record.finished_at or 0))
+        else:
+            job.cancel()
+    finished = sorted([*ended, *(float(r.finished_at or 0) for r in records)])
+    places = sorted(finished.index(float(r.finished_at or 0)) + 1 for r in records)
+    times = latencies(records)
+    preempted = sum(1 for t in ended if t > sent)  # low jobs that ended after the highs came
+    return {
+        "p50_s": statistics.median(times),
+        "max_s": max(times),
+        "places": places,
+        "lows_ended": len(ended),
+        "lows_ended_after_highs_sent": preempted,
+        "highs_done_after_s": done_by - sent,
+        "ok": sum(r.ok for r in records),
+    }
+
+
+def run_config(
+    hosts: str, model: str, workers: int, name: str, args: argparse.Namespace, logs: Path
+) -> dict[str, Any]:
+    queue = f"prio-{name}-{workers}-{int(time.time())}"
+    procs = [
+        spawn_worker(hosts, queue, model, CONFIGS[name], logs / f"{queue}-{i}.log")
+        for i in range(workers)
+    ]
+    try:
+        with Client(hosts, root=BENCH_ROOT) as client:
+            wait_ready(client, queue, workers)
+            slots = [w.get("slots_max") for w in client.workers() if w.get("queue") == queue]
+            prompt = " ".join(PROMPT.split()[: args.words])
+            # A warm-up job per worker slot shape: the first steps of an engine are slower.
+            warm = client.submit_many([job_spec(prompt, 8)] * workers, priority="high", queue=queue)
+            for job in warm:
+                job.result(timeout=300)
+            idle = phase_idle(client, queue, prompt, args.highs, args.new_tokens)
+            load = phase_load(
+                client, queue, prompt, args.lows, args.highs, args.new_tokens, args.after
+            )
+            info = [w.get("runner_info") for w in client.workers() if w.get("queue") == queue]
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {
+        "config": name,
+        "workers": workers,
+        "flags": CONFIGS[name],
+        "slots": slots,
+        "idle": idle,
+        "load": load,
+        "ratio": load["p50_s"] / idle["p50_s"],
+        "runner_info": info,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.priority")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--configs", nargs="+", default=["default", "no-preempt"])
+    parser.add_argument("--lows", type=int, default=300)
+    parser.add_argument("--highs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--words", type=int, default=64, help="prompt words (~100 tokens)")
+    parser.add_argument("--after", type=float, default=2.0, help="seconds between lows and highs")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="zkq-bench-prio-") as tmp:
+        model = str(Path(tmp) / "tiny")
+        subprocess.run(
+            [sys.executable, "-m", "zkqueue.cli", "tiny-model", model],
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+        )
+        cluster = ZkCluster(1).start()
+        try:
+            for workers in args.workers:
+                for name in args.configs:
+                    run = run_config(cluster.hosts, model, workers, name, args, Path(tmp))
+                    runs.append(run)
+                    print(
+                        f"{workers} worker(s), {name:10s} slots {run['slots']}: idle p50 "
+                        f"{run['idle']['p50_s']:.2f}s, loaded p50 {run['load']['p50_s']:.2f}s "
+                        f"(x{run['ratio']:.2f}), places {run['load']['places']}",
+                        flush=True,
+                    )
+        finally:
+            cluster.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
