@@ -9,6 +9,7 @@ from typing import Any
 
 from tests.conftest import WorkerThread, flush_watches, result_ids, wait_for
 from tests.runners import HoldRunner
+from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.spec import JobSpec
@@ -41,7 +42,8 @@ def _spec(client: Client, job_id: str) -> JobSpec:
 def test_a_high_job_takes_the_newest_low_jobs_slot(
     client: Client, start_worker: Callable[..., WorkerThread]
 ) -> None:
-    runner, handle, lows = _full_worker(start_worker, client, slots=3)
+    metrics = WorkerMetrics()
+    runner, handle, lows = _full_worker(start_worker, client, slots=3, metrics=metrics)
     first = runner.running()
     high = client.submit("urgent", priority="high", detach=True)
     wait_for(lambda: "urgent" in runner.running(), message="the high job running")
@@ -51,6 +53,8 @@ def test_a_high_job_takes_the_newest_low_jobs_slot(
     spec = _spec(client, victim)  # pending again, its preemption counted in its spec
     assert spec.preemptions == 1 and spec.preempted_at is not None
     assert handle.worker.stats.preempted == 1
+    preempted = {"queue": "default", "priority": "low"}
+    assert metrics.registry.get_sample_value("zkq_preemptions_total", preempted) == 1
     runner.release_all()
     assert high.result(timeout=10).ok
     # Every low job ends succeeded, once; the preempted one says so, with one attempt.

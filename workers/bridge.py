@@ -25,6 +25,7 @@ from zkqueue.logs import job_context
 from zkqueue.watches import remove_data_watch
 
 log = logging.getLogger("zkq.worker")
+_RANK = {p: i for i, p in enumerate(defaults.PRIORITIES)}
 
 
 class RunnerBridge:
@@ -62,6 +63,9 @@ class RunnerBridge:
         removed), and its completion, fenced by its token, fails if it was cancelled or
         reclaimed meanwhile. So a cancel reaches a running job within that delay at most."""
         now = time.monotonic()
+        # The most urgent first: an engine that queues what it cannot start at once (its
+        # prefill budget per step) serves its waiting list in arrival order.
+        jobs = sorted(jobs, key=lambda job: _RANK[job.priority])
         for job in jobs:
             self.held[self.key(job)] = job
             self.runner.submit(job)
