@@ -2,7 +2,10 @@
 ``zkq.commands`` entry points; also ``python -m gateway``).
 
 Connection options may be given here or to the ``zkq`` group (``zkq --zk H serve``); here they
-win, then the group's, then the ``ZKQ_*`` environment, then the defaults.
+win, then the group's, then the ``ZKQ_*`` environment, then the defaults
+(``zkqueue.cli.common``, as for every command: ``zkq`` adds them to ``serve``, and
+``python -m gateway`` adds them too). This module does not import zkq's command line at import
+time: that would import ``zkq``'s plugins, this one among them, while it is being imported.
 """
 
 from __future__ import annotations
@@ -21,22 +24,9 @@ from typing import Any
 import click
 
 from gateway.config import GatewayConfig, load
-from zkqueue import defaults
 from zkqueue.aio import AsyncClient
 from zkqueue.errors import ConfigurationError, ZkqError
 from zkqueue.logs import configure as configure_logging
-
-#: Connection options: (name, environment variable, default, type).
-_CONNECTION: tuple[tuple[str, str, Any, type], ...] = (
-    ("zk", "ZKQ_ZK", defaults.HOSTS, str),
-    ("root", "ZKQ_ROOT", defaults.ROOT, str),
-    ("session_timeout", "ZKQ_SESSION_TIMEOUT", defaults.SESSION_TIMEOUT, float),
-    ("connect_timeout", "ZKQ_CONNECT_TIMEOUT", defaults.CONNECT_TIMEOUT, float),
-    ("auth", "ZKQ_AUTH", None, str),
-    ("tls_ca", "ZKQ_TLS_CA", None, str),
-    ("tls_cert", "ZKQ_TLS_CERT", None, str),
-    ("tls_key", "ZKQ_TLS_KEY", None, str),
-)
 
 
 class _Seconds(click.ParamType):
@@ -55,10 +45,6 @@ class _Seconds(click.ParamType):
         if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.zero):
             self.fail(f"{value!r} is not a finite number of seconds above 0", param, ctx)
         return seconds
-
-
-#: A timeout: seconds above 0.
-_SECONDS = _Seconds()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -84,14 +70,6 @@ _SECONDS = _Seconds()
     show_default=True,
     help="On SIGTERM, seconds open requests may still finish.",
 )
-@click.option("--zk", default=None, help="ZooKeeper hosts (env ZKQ_ZK).")
-@click.option("--root", default=None, help="Root znode (env ZKQ_ROOT).")
-@click.option("--session-timeout", type=_SECONDS, default=None)
-@click.option("--connect-timeout", type=_SECONDS, default=None)
-@click.option("--auth", default=None, metavar="USER:PASSWORD", help="Digest auth (env ZKQ_AUTH).")
-@click.option("--tls-ca", default=None)
-@click.option("--tls-cert", default=None)
-@click.option("--tls-key", default=None)
 @click.option(
     "--log-level",
     default=None,
@@ -105,7 +83,6 @@ def serve(
     port: int,
     drain_timeout: float,
     log_level: str | None,
-    **connection: Any,
 ) -> None:
     """Serve OpenAI's completion API in front of zkq's queues.
 
@@ -121,7 +98,10 @@ def serve(
         configure_logging(log_level or os.environ.get("ZKQ_LOG_LEVEL", "WARNING"))
     try:
         config = load(config_path)
-        client = AsyncClient(**_settings(ctx, connection))
+        from zkqueue.cli.common import connection
+
+        settings = connection(ctx)
+        client = AsyncClient(hosts=settings.pop("zk"), **settings)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             job = run(
                 client,
@@ -147,20 +127,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
-
-
-def _settings(ctx: click.Context, given: dict[str, Any]) -> dict[str, Any]:
-    parent = ctx.obj if isinstance(ctx.obj, dict) else {}
-    out: dict[str, Any] = {}
-    for name, env, default, kind in _CONNECTION:
-        value = given.get(name)
-        if value is None:
-            value = parent.get(name)
-        if value is None and os.environ.get(env):
-            value = kind(os.environ[env])
-        out[name] = default if value is None else value
-    out["hosts"] = out.pop("zk")
-    return out
 
 
 async def run(

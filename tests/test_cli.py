@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
-from tests.conftest import wait_for
+from tests.conftest import ZKQ, wait_for
 from zkqueue import Client
 from zkqueue.errors import ExitCode
 from zkqueue.spec import JobSpec
@@ -148,3 +151,80 @@ def test_submit_sets_every_spec_field_and_takes_an_id(zkq, client: Client) -> No
     plain = zkq("submit", "--detach", "plain")
     data, _ = client.zk.get(client.job(plain.stdout.strip(), "default").entry_path or "")
     assert (JobSpec.from_bytes(data).stop, JobSpec.from_bytes(data).ignore_eos) == (None, False)
+
+
+def _run_zkq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The zkq CLI with exactly ``args`` (no connection options added before the command)."""
+    full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+    return subprocess.run(
+        [*ZKQ, *args], capture_output=True, text=True, env=full, timeout=60, check=False
+    )
+
+
+def test_connection_options_after_the_command_name(hosts: str, root: str, client: Client) -> None:
+    """--zk, --root and the timeouts work after the command's name as before it, and a value
+    after the name wins over one before it (and over ZKQ_ZK)."""
+    out = _run_zkq("stats", "--json", "--zk", hosts, "--root", root, "--session-timeout", "4")
+    assert out.returncode == 0, out.stderr
+    assert "queues" in json.loads(out.stdout)
+    # Before: unreachable; after: the real one. The after-value wins, and over the environment.
+    out = _run_zkq(
+        "--zk", "127.0.0.1:1", "stats", "--zk", hosts, "--root", root, env={"ZKQ_ZK": "x:1"}
+    )
+    assert out.returncode == 0, out.stderr
+    out = _run_zkq(
+        "--zk", hosts, "--root", root, "stats", "--zk", "127.0.0.1:1", "--connect-timeout", "1"
+    )
+    assert out.returncode == ExitCode.UNAVAILABLE
+    assert "127.0.0.1:1" in out.stderr
+    # A group's subcommand takes them too.
+    out = _run_zkq("queue", "create", "after", "--zk", hosts, "--root", root)
+    assert out.returncode == 0, out.stderr
+    assert "after" in client.queue_names()
+    # A bad root is the same configuration error on either side.
+    out = _run_zkq("stats", "--root", "relative")
+    assert out.returncode == ExitCode.CONFIG
+    assert "root must be an absolute" in out.stderr
+
+
+def test_worker_takes_connection_options_after_its_name(
+    hosts: str, root: str, client: Client, tmp_path: Path
+) -> None:
+    """A plugin command (zkq worker) takes them after its name, where they also win over its
+    config file: a burst worker runs the job."""
+    job = client.submit("after the name", detach=True)
+    config = tmp_path / "worker.toml"
+    config.write_text('zk = "127.0.0.1:1"\nconnect_timeout = 1\n')
+    out = _run_zkq(
+        "worker",
+        "--config",
+        str(config),
+        "--zk",
+        hosts,
+        "--root",
+        root,
+        "--runner",
+        "echo",
+        "--burst",
+        "--no-janitor",
+        "--quiet",
+        env={"ZKQ_ZK": "127.0.0.1:1"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert client.job(job.id).result(timeout=10).output == "after the name"
+
+
+def test_help_lists_connection_options_once_each() -> None:
+    """zkq --help lists them (and says where they go); a command's help lists them after its
+    own options."""
+    top = _run_zkq("--help")
+    assert top.returncode == 0
+    assert top.stdout.count("--zk HOSTS") == 1 and "after the command name" in top.stdout
+    stats = _run_zkq("stats", "--help")
+    assert stats.returncode == 0
+    lines = stats.stdout.splitlines()
+    flags = [line.split()[0] for line in lines if line.startswith("  -")]
+    assert flags.index("--json") < flags.index("--zk") < flags.index("-h,")
+    for flag in ("--zk", "--root", "--session-timeout", "--connect-timeout", "--auth", "--tls-ca"):
+        assert flags.count(flag) == 1, flag
+    assert "ZKQ_ZK" in stats.stdout

@@ -16,6 +16,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from zkqueue.cli.common import given_on_command_line
 from zkqueue.errors import ConfigurationError
 
 
@@ -45,7 +46,8 @@ def apply_config(ctx: click.Context, options: dict[str, Any], path: str | Path) 
             if ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
                 options[key] = _convert(ctx.command, ctx, key, value, path)
         elif globals_ctx is not None and key in globals_ctx.params:
-            if globals_ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
+            # A connection option may be given before or after the command name.
+            if not given_on_command_line(ctx, key):
                 ctx.obj[key] = _convert(globals_ctx.command, globals_ctx, key, value, path)
         else:
             raise ConfigurationError(f"worker config {path}: unknown setting {key!r}")

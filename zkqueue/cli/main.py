@@ -3,7 +3,8 @@
 The library's commands are added here; packages built on the library (the worker daemon, the
 HTTP gateway) add theirs through the ``zkq.commands`` entry-point group, so nothing in the library
 imports them. A plugin that cannot be imported (its extra is not installed) still shows up, and
-says what to install.
+says what to install. Every command takes the connection options on either side of its name
+(``zkqueue.cli.common``).
 """
 
 from __future__ import annotations
@@ -14,55 +15,14 @@ from typing import Any
 
 import click
 
-from zkqueue import defaults
 from zkqueue.cli import jobs, ops, queues
-from zkqueue.cli.common import CONTEXT, SECONDS
-from zkqueue.errors import ConfigurationError, ExitCode
-from zkqueue.layout import check_root
+from zkqueue.cli.common import CONTEXT, EPILOG, ConnectionGroup, group_options
+from zkqueue.errors import ExitCode
 from zkqueue.logs import configure as configure_logging
 
 
-@click.group(context_settings=CONTEXT)
-@click.option(
-    "--zk",
-    default=defaults.HOSTS,
-    show_default=True,
-    envvar="ZKQ_ZK",
-    help="ZooKeeper connection string (host:port[,host:port...]).",
-)
-@click.option(
-    "--root",
-    default=defaults.ROOT,
-    show_default=True,
-    envvar="ZKQ_ROOT",
-    help="Root znode of this zkq installation.",
-)
-@click.option(
-    "--session-timeout",
-    type=SECONDS,
-    default=defaults.SESSION_TIMEOUT,
-    show_default=True,
-    envvar="ZKQ_SESSION_TIMEOUT",
-    help="Session timeout, seconds.",
-)
-@click.option(
-    "--connect-timeout",
-    type=SECONDS,
-    default=defaults.CONNECT_TIMEOUT,
-    show_default=True,
-    envvar="ZKQ_CONNECT_TIMEOUT",
-    help="Give up reaching ZooKeeper after this many seconds.",
-)
-@click.option(
-    "--auth",
-    default=None,
-    envvar="ZKQ_AUTH",
-    metavar="USER:PASSWORD",
-    help="Digest authentication; zkq's nodes are then readable and writable by this identity only.",
-)
-@click.option("--tls-ca", default=None, envvar="ZKQ_TLS_CA", help="CA file: connect with TLS.")
-@click.option("--tls-cert", default=None, envvar="ZKQ_TLS_CERT", help="Client certificate (PEM).")
-@click.option("--tls-key", default=None, envvar="ZKQ_TLS_KEY", help="Client key (PEM).")
+@click.group(cls=ConnectionGroup, context_settings=CONTEXT, epilog=EPILOG)
+@group_options
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
@@ -97,11 +57,6 @@ def cli(
       zkq status ID; zkq result ID --wait --timeout 60
     """
     configure_logging(log_level, log_format)
-    try:
-        check_root(root)
-    except ConfigurationError as exc:
-        click.echo(f"zkq: {exc}", err=True)
-        sys.exit(exc.exit_code)
     ctx.obj = {
         "zk": zk,
         "root": root,
