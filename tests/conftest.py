@@ -72,6 +72,20 @@ def flush_watches(zk: KazooClient) -> None:
     assert done.wait(10), "kazoo callback thread is stuck"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Model workers' knee cache (``workers.calibration``) in one session directory, never the
+    user's: set through systemd's variable, so subprocess workers use it too."""
+    path = tmp_path_factory.mktemp("zkq-cache")
+    before = os.environ.get("CACHE_DIRECTORY")
+    os.environ["CACHE_DIRECTORY"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("CACHE_DIRECTORY", None)
+    else:
+        os.environ["CACHE_DIRECTORY"] = before
+
+
 @pytest.fixture(scope="session")
 def zk_cluster() -> Iterator[ZkCluster]:
     cluster = ZkCluster(1).start()

@@ -26,6 +26,7 @@ def test_systemd_unit_template() -> None:
     assert service["KillSignal"] == "SIGTERM"
     assert int(service["TimeoutStopSec"]) > defaults.DRAIN_TIMEOUT
     assert " worker" in service["ExecStart"]
+    assert service["CacheDirectory"] == "zkq"  # the knee cache, writable under ProtectSystem
 
 
 def test_example_toml_is_a_valid_worker_config() -> None:

@@ -108,7 +108,9 @@ def test_tiny_model_worker_answers_in_openai_shape(
     from workers.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", seed=0)
-    spawn_worker("--model", str(model), "--device", "cpu", "--vram-budget", "64MiB")
+    spawn_worker(
+        "--model", str(model), "--device", "cpu", "--vram-budget", "64MiB", "--no-calibrate"
+    )
     wait_for(registered(client, 1), timeout=120, message="model worker registered")
     gw = gateway()
     api = gw.openai()

@@ -195,14 +195,23 @@ def test_model_that_fails_to_load_exits_7_before_registering(zkq, client: Client
 def test_tiny_model_command_and_model_worker_cli(zkq, spawn_worker, client: Client, tmp_path):
     out = zkq("tiny-model", str(tmp_path / "m"))
     assert out.returncode == 0, out.stderr
-    spawn_worker("--model", str(tmp_path / "m"), "--device", "cpu", "--vram-budget", "64MiB")
+    spawn_worker(
+        "--model",
+        str(tmp_path / "m"),
+        "--device",
+        "cpu",
+        "--vram-budget",
+        "64MiB",
+        "--no-calibrate",
+    )
     wait_for(lambda: client.workers(), timeout=60, message="model worker registered")
     info = client.workers()[0]
     assert info["runner_info"]["dtype"] == "float32"
     assert info["runner_info"]["weight_bytes"] > 0
     assert info["memory"]["pages_total"] > 0 and info["memory"]["page_tokens"] > 0
-    # No --max-concurrency: as many jobs as the cache admits (a page each at least), <= 256.
-    assert info["slots_max"] == min(info["memory"]["pages_total"], 256) > 1
+    # No --max-concurrency, no calibration: the CPU's rule (16), within what the cache admits.
+    assert info["slots_max"] == min(info["memory"]["pages_total"], 16) > 1
+    assert info["runner_info"]["admission"] == {"slots": info["slots_max"], "source": "rule"}
     out = zkq("submit", "--json", "--max-new-tokens", "4", "Hello")
     assert out.returncode == 0, out.stderr
     assert '"status": "succeeded"' in out.stdout
@@ -213,7 +222,9 @@ def test_tiny_model_command_and_model_worker_cli(zkq, spawn_worker, client: Clie
 
 
 def test_build_model_runner_sizes_the_cache_from_the_budget(tiny_dir: Path) -> None:
-    opts = WorkerOptions(model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=64 * 2**20)
+    opts = WorkerOptions(
+        model=str(tiny_dir), device="cpu", dtype="float32", vram_budget=64 * 2**20, calibrate=False
+    )
     runner, admission = build_model_runner(opts)
     try:
         assert admission.pages_total == runner.cache_pages > 0

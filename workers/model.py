@@ -3,9 +3,11 @@
 ``build_model_runner`` loads the tokenizer and weights (offline, from a local directory), reads
 the memory that is left (``workers.memory.make_probe``: a static budget, NVML, torch or
 /proc/meminfo), sizes the KV cache in pages from it (``workers.kvcache.size_cache``), and returns
-the runner with an ``Admission`` that counts those pages. The worker's slots
-(``max_concurrency``) cap the jobs it holds; the engine takes at most ``BATCH_REQUESTS`` of them
-into one step, and the others wait inside it for the next.
+the runner with an ``Admission`` that counts those pages. The worker's slots cap the jobs it
+holds: ``--max-concurrency``, else the engine's throughput knee (``workers.calibration``: measured
+at start, or cached, or a per-device rule). The engine takes as many requests into one step as
+the worker has slots, so an admitted job never waits inside the engine, where priority no longer
+applies.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from workers import kvcache
 from workers.admission import Admission
+from workers.calibration import admission_slots
 from workers.memory import make_probe
 from workers.options import MODEL_SLOTS, WorkerOptions
+from workers.runners.codec import eos_ids
+from workers.runners.engine import EngineConfig
 from workers.runners.hf import HFRunner
 from zkqueue.errors import ConfigurationError
 
@@ -41,10 +46,6 @@ _DTYPES = {
 PAGE_TOKENS = 32
 #: Tokens per engine step: small on the CPU, where a step is slow, larger on a GPU for prefill.
 BATCH_TOKENS = {"cpu": 256, "cuda": 2048}
-#: Requests in one engine step at most (more wait inside the engine for the next step): on the
-#: CPU the tiny model's best was 16 (64 mixed prompts: 16 in a step made 1.15-1.2x the tokens/s
-#: of 64); on a GPU a step of many requests costs little more than one.
-BATCH_REQUESTS = {"cpu": 16, "cuda": 256}
 
 
 def build_model_runner(opts: WorkerOptions) -> tuple[HFRunner, Admission]:
@@ -59,6 +60,10 @@ def build_model_runner(opts: WorkerOptions) -> tuple[HFRunner, Admission]:
     dtype = resolve_dtype(opts.dtype, device)
     tokenizer, model = load(path, device, dtype)
     pages, batch_tokens = size_for(model, opts)
+    engine = EngineConfig(pages, PAGE_TOKENS, batch_tokens)
+    eos = sorted(eos_ids(model, tokenizer))
+    slots = admission_slots(opts, model, eos, engine, sampling=not opts.greedy_only)
+    log.info("admission: %s", slots.text())
     runner = HFRunner(
         tokenizer,
         model,
@@ -66,10 +71,8 @@ def build_model_runner(opts: WorkerOptions) -> tuple[HFRunner, Admission]:
         pages=pages,
         page_tokens=PAGE_TOKENS,
         max_batch_tokens=batch_tokens,
-        max_requests=min(
-            opts.max_concurrency or MODEL_SLOTS,
-            BATCH_REQUESTS.get(model.device.type, BATCH_REQUESTS["cpu"]),
-        ),
+        max_requests=slots.count,
+        slots=slots,
         slow_after=opts.slow_after,
         default_max_runtime=opts.max_runtime,
         sampling=not opts.greedy_only,

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from workers import kvcache
+from workers.calibration import Slots
 from workers.runners.base import Done, Outcome, RunningJob
 from workers.runners.codec import Codec, eos_ids
 from workers.runners.engine import Engine, EngineConfig, EngineOutput
@@ -78,10 +79,11 @@ class HFRunner:
         slow_after: float = 30.0,
         default_max_runtime: float | None = None,
         sampling: bool = True,
+        slots: Slots | None = None,
     ) -> None:
         """``pages`` of ``page_tokens`` positions make the cache; ``sampling=False`` builds a
         greedy-only engine (faster per step; sampled jobs then run alone, see
-        ``workers.runners.engine``)."""
+        ``workers.runners.engine``); ``slots``: the worker's slots and how they were found."""
         if pages < 1 or page_tokens < 1:
             raise ConfigurationError(
                 f"the cache needs pages >= 1 and page_tokens >= 1, not {pages}"
@@ -90,6 +92,7 @@ class HFRunner:
         self.slow_after = slow_after
         self.default_max_runtime = default_max_runtime
         self.sampling = sampling
+        self.slots = slots
         self._model = model
         self._eos = sorted(eos_ids(model, tokenizer))
         length = getattr(kvcache.text_config(model.config), "max_position_embeddings", None)
@@ -148,6 +151,7 @@ class HFRunner:
                 "bytes_per_page": page_bytes,
                 "max_batch_tokens": cfg.max_batch_tokens,
             },
+            "admission": None if self.slots is None else self.slots.record(),
         }
 
     def count_tokens(self, spec: JobSpec) -> int:
