@@ -8,7 +8,8 @@ Results go to an output folder: results.json, results.md and PNG plots. From the
     .venv/bin/python -m scripts.bench --report-only --out docs/bench
 
 Suites: warmup (always runs), dispatch (zkq vs kazoo LockingQueue), latency, herd, depth, bulk,
-batching (continuous batching, tiny model on CPU), redis (baseline), profile (pyinstrument).
+batching (continuous batching, tiny model on CPU), redis (baseline), profile (pyinstrument);
+knee (admission at the engine's knee; runs only when named, ~5 minutes).
 See BENCHMARKS.md.
 Suites that start their own processes and servers run as modules of this package:
 ``python -m scripts.bench.gateway`` (zkq serve).
@@ -55,13 +56,14 @@ SUITES: dict[str, Callable[[Bench, Log], Any]] = {
     "depth": scenarios.run_depth,
     "bulk": scenarios.run_bulk,
     "batching": model.run_batching,
+    "knee": model.run_knee,
     "redis": dispatch.run_redis,
     "profile": profile.run_profile,
     "scale": scale.run_scale,
     "soak": soak.run_soak,
 }
 #: Suites that run only when named (minutes each).
-OPT_IN = {"scale", "soak"}
+OPT_IN = {"scale", "soak", "knee"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,7 +43,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from workers.admission import Admission
 from workers.loop import Worker
-from workers.model import BATCH_REQUESTS, load
+from workers.model import load
 from workers.options import WorkerOptions
 from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model
@@ -51,6 +51,9 @@ from zkqueue import Client
 from zkqueue.testing import ZkCluster
 
 PAGES, PAGE_TOKENS, BATCH_TOKENS = 512, 32, 256
+#: Requests in one engine step of a model worker on the CPU before admission at the knee
+#: (workers.calibration): 16, whatever its slots. The figures here keep that step unless told.
+OLD_STEP = 16
 _WORDS = (
     "queue",
     "worker",
@@ -94,22 +97,32 @@ class Stage:
         self._roots += 1
         return f"/cb-{self._roots}"
 
-    def runner(self, slots: int, sampling: bool) -> HFRunner:
+    def runner(
+        self, slots: int, sampling: bool, step: int | None = None, pages: int = PAGES
+    ) -> HFRunner:
+        """``step``: requests in one engine step (default: ``OLD_STEP`` at most)."""
         return HFRunner(
             self.tokenizer,
             self.model,
-            pages=PAGES,
+            pages=pages,
             page_tokens=PAGE_TOKENS,
             max_batch_tokens=BATCH_TOKENS,
-            max_requests=min(slots, BATCH_REQUESTS["cpu"]),  # as a model worker on the CPU
+            max_requests=step or min(slots, OLD_STEP),
             sampling=sampling,
         )
 
     @contextmanager
-    def worker(self, root: str, slots: int, sampling: bool = True) -> Iterator[Worker]:
-        runner = self.runner(slots, sampling)
+    def worker(
+        self,
+        root: str,
+        slots: int,
+        sampling: bool = True,
+        step: int | None = None,
+        pages: int = PAGES,
+    ) -> Iterator[Worker]:
+        runner = self.runner(slots, sampling, step, pages)
         admission = Admission(
-            PAGES, PAGE_TOKENS, count_tokens=runner.count_tokens, validate=runner.validate
+            pages, PAGE_TOKENS, count_tokens=runner.count_tokens, validate=runner.validate
         )
         zk = KazooClient(hosts=self.cluster.hosts, timeout=10)
         zk.start(10)
@@ -154,13 +167,14 @@ def head_of_line(stage: Stage) -> dict[str, Any]:
     }
 
 
-def arrivals(stage: Stage) -> dict[str, Any]:
+def arrivals(stage: Stage, slots: int = 16, step: int | None = None) -> dict[str, Any]:
+    """The arrivals trace at a worker of ``slots`` slots (engine step ``step``)."""
     rng = random.Random(80)
     kinds = ["short"] * 60 + ["long"] * 20
     rng.shuffle(kinds)
     root = stage.root()
     jobs: list[tuple[str, float, Any]] = []
-    with stage.client(root) as client, stage.worker(root, slots=16):
+    with stage.client(root) as client, stage.worker(root, slots=slots, step=step):
         start = time.monotonic()
         for i, kind in enumerate(kinds):
             time.sleep(max(0.0, start + i * 0.05 - time.monotonic()))

@@ -1,6 +1,8 @@
 """Scenario 6: the model worker on continuous batching (tiny model, CPU). The measurements are
-``python -m scripts.bench.continuous``'s, run here as a subprocess: it imports torch, which must
-not be imported into the harness (the harness forks the agent processes)."""
+``python -m scripts.bench.continuous``'s (suite ``batching``) and ``python -m scripts.bench.knee``'s
+(suite ``knee``: admission at the engine's knee against the old admission), each run here as a
+subprocess: they import torch, which must not be imported into the harness (the harness forks the
+agent processes)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,20 @@ def run_batching(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     return figures
 
 
+def run_knee(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
+    """The figures of ``scripts.bench.knee`` (calibration curve, low-priority backlog at the knee
+    against the old settings, arrivals at the knee); 40 jobs, one repetition when quick."""
+    with tempfile.TemporaryDirectory(prefix="zkq-bench-knee-") as tmp:
+        out = Path(tmp) / "figures.json"
+        command = [sys.executable, "-m", "scripts.bench.knee", "--reps", str(bench.config.reps)]
+        command += ["--json", str(out), *(["--quick"] if bench.config.quick else [])]
+        log("  python " + " ".join(command[1:]))
+        _run(command, log)
+        figures: dict[str, Any] = json.loads(out.read_text())
+    figures["quick"] = bench.config.quick
+    return figures
+
+
 def _run(command: list[str], log: Callable[[str], None]) -> None:
     """Run ``command`` from the repository root, its output line by line into ``log``; kill it
     after ``LIMIT_S`` seconds."""
@@ -62,4 +78,4 @@ def _run(command: list[str], log: Callable[[str], None]) -> None:
         finally:
             timer.cancel()
     if code != 0:
-        raise RuntimeError(f"scripts.bench.continuous exited with {code}:\n" + "\n".join(tail))
+        raise RuntimeError(f"{command[2]} exited with {code}:\n" + "\n".join(tail))
