@@ -79,8 +79,24 @@ _MAX_RESULT_BYTES = click.option(
     "--max-concurrency",
     type=COUNT,
     default=None,
-    help="Slots: jobs this worker holds at once [default: 1 for echo; for a model, what its "
-    "KV cache admits, at most 256].",
+    help="Slots: jobs this worker holds at once [default: 1 for echo; for a model, its "
+    "engine's throughput knee, measured at start (or cached), within what its KV cache admits "
+    "and 256].",
+)
+@click.option(
+    "--calibrate/--no-calibrate",
+    default=True,
+    show_default=True,
+    help="Measure a model worker's knee at start (cached per model and device); --no-calibrate: "
+    "16 slots on the CPU, 64 on a GPU.",
+)
+@click.option("--recalibrate", is_flag=True, help="Measure the knee again, ignoring the cache.")
+@click.option(
+    "--calibration-cache",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Directory of the knee cache [default: $CACHE_DIRECTORY, else $XDG_CACHE_HOME/zkq, "
+    "else ~/.cache/zkq].",
 )
 @click.option(
     "--name",
@@ -106,6 +122,26 @@ _MAX_RESULT_BYTES = click.option(
     default=defaults.LEASE,
     show_default=True,
     help="Seconds a running job's claim lives without progress.",
+)
+@click.option(
+    "--preempt/--no-preempt",
+    default=defaults.PREEMPT,
+    show_default=True,
+    help="With every slot busy, give the newest lower-priority job back for a more urgent one.",
+)
+@click.option(
+    "--preempt-protect",
+    type=SECONDS,
+    default=defaults.PREEMPT_PROTECT,
+    show_default=True,
+    help="Seconds a preempted job is safe from another preemption.",
+)
+@click.option(
+    "--preempt-per-minute",
+    type=COUNT,
+    default=defaults.PREEMPT_PER_MINUTE,
+    show_default=True,
+    help="Preemptions this worker makes in any minute at most.",
 )
 @click.option(
     "--janitor/--no-janitor",

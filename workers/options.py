@@ -22,10 +22,16 @@ class WorkerOptions:
 
     queue: str = defaults.QUEUE
     root: str = defaults.ROOT
-    #: Jobs this worker holds at once. None: one for the echo runner; for a model worker, what
-    #: its KV cache admits (every job takes a page at least), at most ``MODEL_SLOTS``. Memory
-    #: admission may allow fewer.
+    #: Jobs this worker holds at once. None: one for the echo runner; for a model worker, its
+    #: engine's throughput knee (``workers.calibration``), never more than its KV cache admits
+    #: (every job takes a page at least) or ``MODEL_SLOTS``. Memory admission may allow fewer.
     max_concurrency: int | None = None
+    #: Measure the knee at start (or read it from the cache); False: ``RULE_SLOTS`` per device.
+    calibrate: bool = True
+    #: Measure again even when the cache holds a result.
+    recalibrate: bool = False
+    #: Directory of the calibration cache (None: $CACHE_DIRECTORY, $XDG_CACHE_HOME/zkq, ...).
+    calibration_cache: str | None = None
     name: str | None = None
     #: Exit after claiming this many jobs.
     max_jobs: int | None = None
@@ -36,6 +42,13 @@ class WorkerOptions:
     #: Seconds a running job's claim lives without progress.
     lease: float = defaults.LEASE
     max_attempts: int = defaults.MAX_ATTEMPTS
+    #: Give a running job of a lower priority back when a more urgent one waits and no slot is
+    #: free (workers.preemption); off: an urgent job waits for a slot to free up.
+    preempt: bool = defaults.PREEMPT
+    #: Seconds after its preemption during which a job is not preempted again.
+    preempt_protect: float = defaults.PREEMPT_PROTECT
+    #: Preemptions this worker makes in any minute at most.
+    preempt_per_minute: int = defaults.PREEMPT_PER_MINUTE
 
     # -- the runner ---------------------------------------------------------------------------
     runner: str = "echo"
@@ -88,10 +101,18 @@ _AT_LEAST_ONE = {
     "max_concurrency": 1,
     "max_jobs": 1,
     "max_attempts": 1,
+    "preempt_per_minute": 1,
     "max_results": 1,
     "max_result_bytes": 1,
 }
-_POSITIVE = ("heartbeat_interval", "lease", "janitor_interval", "result_ttl", "max_runtime")
+_POSITIVE = (
+    "heartbeat_interval",
+    "lease",
+    "janitor_interval",
+    "result_ttl",
+    "max_runtime",
+    "preempt_protect",
+)
 
 
 def default_worker_id() -> str:
