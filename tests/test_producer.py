@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from kazoo.exceptions import ConnectionLoss
+from kazoo.exceptions import ConnectionLoss, SessionExpiredError
 
 from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError, bulk, claims, counts
 from zkqueue.errors import JobNotFound
@@ -56,6 +56,29 @@ def test_connection_loss_before_the_create_creates_it(client: Client, monkeypatc
     job = client.submit("once", detach=True)
     assert sent == [1, 1]
     assert _all_entries(client) == [job.entry]
+
+
+@pytest.mark.parametrize("lost", [SessionExpiredError, ConnectionLoss])
+def test_reads_before_the_create_are_repeated_after_a_lost_connection(
+    client: Client, monkeypatch, lost: type[Exception]
+) -> None:
+    """Just after ZooKeeper came back, a session that expired while it was down fails the
+    request sent meanwhile, and kazoo opens a new one: the submit reads again and goes on."""
+    client.ensure_queue("default")
+    real = client.limits.check_room
+    calls: list[str] = []
+
+    def flaky(queue: str, adding: int = 1) -> None:
+        calls.append(queue)
+        if len(calls) == 1:
+            raise lost()
+        real(queue, adding)
+
+    monkeypatch.setattr(client.limits, "check_room", flaky)
+    job = client.submit("after the outage", detach=True)
+    many = client.submit_many(["a", "b"])
+    assert len(calls) == 3
+    assert sorted(_all_entries(client)) == sorted([job.entry, *(j.entry for j in many)])
 
 
 @pytest.mark.parametrize(

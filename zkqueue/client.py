@@ -11,7 +11,13 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from zkqueue import counts, defaults, listing, lookup, protocol
-from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
+from zkqueue.connection import (
+    ConnectionSettings,
+    close,
+    connect,
+    mapped_errors,
+    read_through_loss,
+)
 from zkqueue.deadletters import dead_result, list_dead, purge, requeue
 from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
@@ -138,15 +144,16 @@ class Client:
         check_priority(priority)
         check_queue(queue)
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
+        if job_id is not None:
+            check_new_job_id(job_id)
         with self.mapped():
-            self.ensure_queue(queue)
-            if job_id is not None:
-                found = self.find_job(queue, check_new_job_id(job_id))
-                if found is not None:
-                    found.existing = True
-                    return found
+            found = read_through_loss(
+                self.zk, self.settings, lambda: self._before_submit(queue, job_id), "submitting"
+            )
+            if found is not None:
+                found.existing = True
+                return found
             job_id = job_id or new_job_id()
-            self.limits.check_room(queue)
             job = Job(self, job_id, queue, priority, detach=detach, owned=True)
             job.keep_result = keep_result
             if not detach:
@@ -159,6 +166,17 @@ class Client:
                 job.unwatch()
                 raise
         return job
+
+    def _before_submit(self, queue: str, job_id: str | None) -> Job | None:
+        """The reads before a create (all safe to repeat after a lost connection): the
+        queue's directories, a chosen id already there, the queue's room."""
+        self.ensure_queue(queue)
+        if job_id is not None:
+            found = self.find_job(queue, job_id)
+            if found is not None:
+                return found
+        self.limits.check_room(queue)
+        return None
 
     def submit_many(
         self,
@@ -180,18 +198,30 @@ class Client:
         chosen = {(q, jid) for jid, q, _, _ in prepared if not is_generated_id(jid)}
         firsts = {(p[1], p[0]): p for p in reversed(prepared)}  # an id given twice: once
         with self.mapped():
-            for q in {p[1] for p in prepared}:
-                self.ensure_queue(q)
-            known = lookup.known_jobs(self, chosen)
+            known = read_through_loss(
+                self.zk, self.settings, lambda: self._before_many(prepared, chosen), "submitting"
+            )
             fresh = [p for p in prepared if firsts[p[1], p[0]] is p and (p[1], p[0]) not in known]
-            for q in {p[1] for p in fresh}:
-                self.limits.check_room(q, sum(1 for p in fresh if p[1] == q))
+            read_through_loss(
+                self.zk, self.settings, lambda: self._check_room_many(fresh), "submitting"
+            )
             names = self._enqueue.create_many(fresh, ephemeral=not detach)
         made = {
             (q, jid): Job(self, jid, q, p, name, detach=detach, owned=True)
             for (jid, q, p, _), name in zip(fresh, names, strict=True)
         }
         return [known.get((q, jid)) or made[q, jid] for jid, q, _, _ in prepared]
+
+    def _before_many(
+        self, prepared: list[tuple[str, str, str, bytes]], chosen: set[tuple[str, str]]
+    ) -> dict[tuple[str, str], Job]:
+        for q in {p[1] for p in prepared}:
+            self.ensure_queue(q)
+        return lookup.known_jobs(self, chosen)
+
+    def _check_room_many(self, fresh: list[tuple[str, str, str, bytes]]) -> None:
+        for q in {p[1] for p in fresh}:
+            self.limits.check_room(q, sum(1 for p in fresh if p[1] == q))
 
     def _prepare(
         self,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -34,6 +35,9 @@ from zkqueue.handler import PollingHandler
 log = logging.getLogger("zkq.connection")
 #: ZooKeeper errors that mean "the connection is away for now": wait for it and try again.
 TRANSIENT = (ConnectionLoss, SessionExpiredError, OperationTimeoutError)
+#: How often a caller waiting for kazoo to reconnect looks at the connection state.
+RECONNECT_POLL = 0.05
+_T = TypeVar("_T")
 
 
 class _RedactAuth(logging.Filter):
@@ -160,3 +164,30 @@ def mapped_errors(hosts: str) -> Iterator[None]:
             f"ZooKeeper at {hosts} denied access: the zkq root belongs to another identity "
             "(check --auth / ZKQ_AUTH)"
         ) from None
+
+
+def await_connected(zk: KazooClient, deadline: float, hosts: str, doing: str) -> None:
+    """Bounded wait for kazoo to reconnect (to this server or another of the ensemble; after
+    an expired session kazoo opens a new one by itself)."""
+    while not zk.connected:
+        if time.monotonic() > deadline:
+            raise ZkqConnectionError(
+                f"lost ZooKeeper at {hosts} while {doing} and it did not come back in time"
+            )
+        time.sleep(RECONNECT_POLL)
+
+
+def read_through_loss(
+    zk: KazooClient, settings: ConnectionSettings, read: Callable[[], _T], doing: str
+) -> _T:
+    """Run ``read`` (reads, or writes that are idempotent), and if the connection goes away
+    meanwhile (lost, or the session expired while ZooKeeper was down) wait for kazoo to
+    reconnect and run it again, all within ``connect_timeout``."""
+    deadline = time.monotonic() + settings.connect_timeout
+    while True:
+        try:
+            return read()
+        except TRANSIENT:
+            if time.monotonic() > deadline:
+                raise
+            await_connected(zk, deadline, settings.hosts, doing)

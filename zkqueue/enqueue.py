@@ -26,7 +26,7 @@ from kazoo.exceptions import (
 )
 
 from zkqueue import arrival, claims, defaults, protocol
-from zkqueue.connection import ConnectionSettings
+from zkqueue.connection import ConnectionSettings, await_connected
 from zkqueue.errors import ConfigurationError, ZkqConnectionError
 from zkqueue.layout import Layout
 from zkqueue.nodes import read_tail
@@ -35,7 +35,6 @@ from zkqueue.nodes import read_tail
 _MULTI_CREATES = 100
 _MULTIS_IN_FLIGHT = 8
 #: Seconds between checks while waiting for kazoo to reconnect.
-_RECONNECT_POLL = 0.05
 #: Tries when the tail keeps moving under us (every try reads it again).
 _STALE_TRIES = 50
 
@@ -222,14 +221,7 @@ class Enqueuer:
                     ) from None
 
     def _await_connected(self, deadline: float) -> None:
-        """Bounded wait for kazoo to reconnect (to this server or another of the ensemble)."""
-        while not self._zk().connected:
-            if time.monotonic() > deadline:
-                raise ZkqConnectionError(
-                    f"lost ZooKeeper at {self.settings.hosts} while enqueuing and it did not "
-                    f"come back within {self.settings.connect_timeout:g}s"
-                )
-            time.sleep(_RECONNECT_POLL)
+        await_connected(self._zk(), deadline, self.settings.hosts, "enqueuing")
 
 
 def _relative(path: str) -> str:
