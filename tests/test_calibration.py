@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import wait_for
 from workers import calibration
 from workers.calibration import (
     CalibrationCache,
@@ -146,6 +150,57 @@ def test_an_unwritable_cache_is_a_warning_not_a_failure(
         cache.write(KEY, 2, CURVE)
     assert cache.read(KEY) is None
     assert cache.warnings and "cannot write the calibration cache" in caplog.text
+
+
+_HOLDER = """
+import json, sys
+from pathlib import Path
+from workers.calibration import CalibrationCache
+cache, key = CalibrationCache(Path(sys.argv[1])), json.loads(sys.argv[2])
+with cache.turn(key, 5) as held:
+    print("held" if held else "not held", flush=True)
+    sys.stdin.readline()
+    cache.write(key, 7, [(1, 10.0), (7, 70.0)])
+"""
+
+
+def test_starts_on_one_host_take_turns_and_the_second_reads_the_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process measures (holds the key's lock); this start waits for it, then reads
+    its knee instead of measuring against it. A start that waits too long measures anyway."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path), json.dumps(KEY)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cache = CalibrationCache(tmp_path)
+        with cache.turn(KEY, 0.3) as got:
+            assert got is False  # the wait is bounded
+        seen: dict[str, Any] = {}
+
+        def second_start() -> None:
+            with cache.turn(KEY, 30) as held:
+                seen["held"], seen["record"] = held, cache.read(KEY)
+
+        with caplog.at_level(logging.INFO, logger="zkq.worker"):
+            waiter = threading.Thread(target=second_start)
+            waiter.start()
+            wait_for(lambda: "is calibrating; waiting for it" in caplog.text, timeout=10)
+            assert "record" not in seen
+            holder.stdin.write("measured\n")
+            holder.stdin.flush()
+            waiter.join(30)
+        assert seen["held"] is True
+        assert seen["record"] is not None and seen["record"]["slots"] == 7
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 def test_cache_dir_follows_systemd_then_xdg_then_home(

@@ -14,7 +14,9 @@ tokens, end-of-sequence ignored), all sent at once as one wave. It stops once th
 rising (``FLAT_DOUBLINGS`` doublings in a row each under ``RISE``) or ``BUDGET_S`` is spent. The
 knee is the smallest size whose tokens/s is at least ``KNEE_FRACTION`` of the best measured
 (``knee``). The result is cached per model and device (``CalibrationCache``), so a restart reads
-it instead of measuring again.
+it instead of measuring again. Workers that start together on one host take turns
+(``CalibrationCache.turn``, a file lock beside the cache): the first measures on a quiet device,
+the others wait and read its result, instead of measuring against each other.
 
 ``--max-concurrency`` overrides all of this; ``--no-calibrate`` takes ``RULE_SLOTS`` instead.
 Slots never exceed what the KV cache admits (a page per job at least).
@@ -23,6 +25,7 @@ Slots never exceed what the KV cache admits (a page per job at least).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -32,7 +35,7 @@ import os
 import platform
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,10 @@ BUDGET_S = {"cpu": 6.0, "cuda": 30.0}
 #: here); on a GPU a middle figure, not measured on one here, between the CPU's and the old
 #: GPU step of 256: measure (the default) or set ``--max-concurrency`` there.
 RULE_SLOTS = {"cpu": 16, "cuda": 64}
+#: How long a start waits for another start's calibration of the same key before measuring
+#: anyway (several budgets: model loading is not in the budget).
+TURN_WAIT_S = {"cpu": 60.0, "cuda": 180.0}
+_TURN_POLL = 0.2
 #: Bumped when the measurement changes, so older cached results are measured again.
 METHOD = 1
 
@@ -264,6 +271,45 @@ class CalibrationCache:
             return None
         return record
 
+    @contextlib.contextmanager
+    def turn(self, key: dict, wait_s: float) -> Iterator[bool]:
+        """Hold the key's lock (``knee-<digest>.lock``, an flock, released if the process dies)
+        while measuring, so that workers started together measure one at a time. Yields False
+        when the lock cannot be had (an unwritable directory, or ``wait_s`` passed): the caller
+        measures anyway."""
+        lock_path = self.path(key).with_suffix(".lock")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = open(lock_path, "a")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            log.debug("no calibration lock at %s: %s", lock_path, exc)
+            yield False
+            return
+        with handle:
+            deadline = time.monotonic() + wait_s
+            announced = False
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("another start is still calibrating; measuring anyway")
+                        yield False
+                        return
+                    if not announced:
+                        log.info("another start on this host is calibrating; waiting for it")
+                        announced = True
+                    time.sleep(_TURN_POLL)
+                except OSError as exc:  # a filesystem without locks
+                    log.debug("cannot lock %s: %s", lock_path, exc)
+                    yield False
+                    return
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
     def write(self, key: dict, slots: int, curve: Sequence[Point]) -> None:
         record = {
             "key": key,
@@ -306,11 +352,27 @@ def admission_slots(
     assert opts.model is not None
     key = cache_key(opts.model, model, config, sampling)
     cache = CalibrationCache(cache_dir(opts.calibration_cache))
-    record = None if opts.recalibrate else cache.read(key)
-    if record is not None:
-        stored = tuple((int(n), float(t)) for n, t in record["curve"])
-        found = f"{cache.path(key)}, {record.get('measured_at', '?')}"
-        return Slots(max(1, min(cap, record["slots"])), "cached", stored, found)
+    with cache.turn(key, TURN_WAIT_S.get(device.type, TURN_WAIT_S["cuda"])):
+        # Read under the lock: a start that held it before us may have just measured.
+        record = None if opts.recalibrate else cache.read(key)
+        if record is not None:
+            stored = tuple((int(n), float(t)) for n, t in record["curve"])
+            found = f"{cache.path(key)}, {record.get('measured_at', '?')}"
+            return Slots(max(1, min(cap, record["slots"])), "cached", stored, found)
+        return _measure(model, eos, config, sampling, cap, cache, key) or rule
+
+
+def _measure(
+    model: Any,
+    eos: list[int],
+    config: EngineConfig,
+    sampling: bool,
+    cap: int,
+    cache: CalibrationCache,
+    key: dict,
+) -> Slots | None:
+    """Measure the curve and cache its knee; None when it cannot be measured (the rule)."""
+    device = torch.device(model.device)
     text = kvcache.text_config(model.config)
     context = int(getattr(text, "max_position_embeddings", 0) or PROMPT_TOKENS + NEW_TOKENS)
     prompt = max(1, min(PROMPT_TOKENS, context - NEW_TOKENS))
@@ -318,7 +380,7 @@ def admission_slots(
     largest = min(cap, (config.pages - kvcache.SPARE_PAGES) // per_request)
     if largest < 1:
         log.warning("the KV cache is too small to calibrate admission; using the rule")
-        return rule
+        return None
     engine_config = EngineConfig(config.pages, config.page_tokens, config.max_batch_tokens, largest)
     began = time.monotonic()
     engine = Engine(model, engine_config, eos, sampling)
@@ -330,7 +392,7 @@ def admission_slots(
         )
     except (CalibrationError, RuntimeError, ValueError, MemoryError) as exc:
         log.warning("calibrating admission failed (%s); using the rule", exc)
-        return rule
+        return None
     finally:
         engine.stop()
         if device.type == "cuda":

@@ -50,9 +50,7 @@ def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
 def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:
     """Run until stopped; returns the process exit code."""
     runner, admission = build_runner(opts)  # a bad model fails before registering
-    chosen = getattr(runner, "slots", None)  # a model runner's (workers.calibration)
-    slots = slots_for(opts, admission.pages_total) if chosen is None else int(chosen.count)
-    opts = replace(opts, max_concurrency=slots)
+    opts = replace(opts, max_concurrency=slots_for(opts, admission.pages_total, runner))
     try:
         zk = connect(settings)
         try:

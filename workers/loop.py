@@ -64,7 +64,7 @@ class Worker:
         self.queue = check_queue(opts.queue)
         self.layout = Layout(opts.root)
         self.admission = admission or Admission()
-        self.slots = slots_for(opts, self.admission.pages_total)
+        self.slots = slots_for(opts, self.admission.pages_total, runner)
         self.id = opts.name or default_worker_id()
         #: Prometheus metrics (served by the daemon's --metrics-port).
         self.metrics = metrics or WorkerMetrics()

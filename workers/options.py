@@ -119,11 +119,15 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
-def slots_for(opts: WorkerOptions, pages_total: int | None) -> int:
-    """The worker's slots: --max-concurrency, else one for a worker without a cache, else what
-    the cache admits (a page per job at least), at most MODEL_SLOTS."""
+def slots_for(opts: WorkerOptions, pages_total: int | None, runner: object = None) -> int:
+    """The worker's slots: --max-concurrency, else what the runner chose (a model runner's
+    ``slots``, the engine's knee: workers.calibration), else one for a worker without a cache,
+    else what the cache admits (a page per job at least), at most MODEL_SLOTS."""
     if opts.max_concurrency is not None:
         return opts.max_concurrency
+    chosen = getattr(runner, "slots", None)
+    if chosen is not None:
+        return int(chosen.count)
     if pages_total is None:
         return defaults.WORKER_SLOTS
     return max(1, min(pages_total, MODEL_SLOTS))

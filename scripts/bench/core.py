@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -229,6 +231,20 @@ def pid_cpu(pid: int | None) -> float:
     import os
 
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[Any]], timeout: float) -> None:
+    """SIGTERM every process (they stop together), then wait for each; kill one that is still
+    there after ``timeout`` seconds."""
+    procs = list(procs)
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.01) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from scripts.bench.core import stop_processes
 from zkqueue import Client
 from zkqueue.testing import ZkCluster
 
@@ -205,13 +206,7 @@ def main() -> None:
             figures = measure(url, client, gateway.pid, args)
         print(json.dumps(figures, indent=2))
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, 15)
         cluster.stop()
 
 

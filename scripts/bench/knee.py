@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 # Each repetition starts one setting later: a slow minute on a shared machine
                 # does not always land on the same setting.
                 order = names[rep % len(names) :] + names[: rep % len(names)]
-                run = {
+                run: dict[str, Any] = {
                     name: backlog(stage, *settings[name], pages, jobs, args.new_tokens)
                     for name in order
                 }

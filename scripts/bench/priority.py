@@ -2,7 +2,7 @@
 same jobs on an idle one.
 
     .venv/bin/python -m scripts.bench.priority [--workers 1 4] [--lows 300] [--highs 5]
-        [--configs default no-preempt] [--json FILE]
+        [--configs default no-preempt] [--reps N] [--json FILE]
 
 For each worker count and each configuration, fresh ``zkq worker --model`` processes serve a
 fresh queue, on the tiny model (CPU), each with the flags the configuration names:
@@ -13,8 +13,10 @@ fresh queue, on the tiny model (CPU), each with the flags the configuration name
    the same high jobs; their latency, and the place each one finished among every job that ended
    meanwhile. The low jobs left are then cancelled.
 
-The figure is the ratio of the loaded p50 to the idle p50 (the target: at most 2x). ZooKeeper,
-the workers and this harness share the host's cores.
+The figure is the ratio of the loaded p50 to the idle p50 (the target: at most 2x), both from
+the same run of a configuration; with ``--reps N`` every configuration runs N times, the
+configurations taking turns within each repetition, and the summary gives the median ratio and
+each repetition's. ZooKeeper, the workers and this harness share the host's cores.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.core import stop_processes
 from zkqueue import Client
 from zkqueue.result import Result
 from zkqueue.testing import ZkCluster
@@ -155,13 +157,7 @@ def run_config(
             )
             info = [w.get("runner_info") for w in client.workers() if w.get("queue") == queue]
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, 30)
     return {
         "config": name,
         "workers": workers,
@@ -183,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--words", type=int, default=64, help="prompt words (~100 tokens)")
     parser.add_argument("--after", type=float, default=2.0, help="seconds between lows and highs")
+    parser.add_argument("--reps", type=int, default=1, help="runs of each configuration")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
     runs = []
@@ -197,20 +194,43 @@ def main(argv: list[str] | None = None) -> int:
         cluster = ZkCluster(1).start()
         try:
             for workers in args.workers:
-                for name in args.configs:
-                    run = run_config(cluster.hosts, model, workers, name, args, Path(tmp))
-                    runs.append(run)
-                    print(
-                        f"{workers} worker(s), {name:10s} slots {run['slots']}: idle p50 "
-                        f"{run['idle']['p50_s']:.2f}s, loaded p50 {run['load']['p50_s']:.2f}s "
-                        f"(x{run['ratio']:.2f}), places {run['load']['places']}",
-                        flush=True,
-                    )
+                for rep in range(args.reps):
+                    for name in args.configs:
+                        run = run_config(cluster.hosts, model, workers, name, args, Path(tmp))
+                        run["rep"] = rep
+                        runs.append(run)
+                        print(
+                            f"{workers} worker(s), {name:10s} rep {rep} slots {run['slots']}: "
+                            f"idle p50 {run['idle']['p50_s']:.2f}s, loaded p50 "
+                            f"{run['load']['p50_s']:.2f}s (x{run['ratio']:.2f}), "
+                            f"places {run['load']['places']}",
+                            flush=True,
+                        )
         finally:
             cluster.stop()
+    summary = summarize(runs)
+    for line in summary:
+        print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=2))
+        Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))
     return 0
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[str]:
+    """Per worker count and configuration: median idle and loaded p50, the median of the
+    per-run ratios, and each run's ratio."""
+    lines = []
+    for key in dict.fromkeys((r["workers"], r["config"]) for r in runs):
+        group = [r for r in runs if (r["workers"], r["config"]) == key]
+        idle = statistics.median(r["idle"]["p50_s"] for r in group)
+        load = statistics.median(r["load"]["p50_s"] for r in group)
+        ratios = [r["ratio"] for r in group]
+        lines.append(
+            f"{key[0]} worker(s) {key[1]:10s} runs {len(group)}: idle p50 {idle:.2f}s, loaded "
+            f"p50 {load:.2f}s, ratio median x{statistics.median(ratios):.2f} "
+            f"(runs: {', '.join(f'{x:.2f}' for x in ratios)})"
+        )
+    return lines
 
 
 if __name__ == "__main__":
