@@ -317,15 +317,20 @@ def test_ctrl_c_says_what_was_submitted(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env={**_env(), "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack on stderr
     )
     assert proc.stdin is not None
     proc.stdin.write(stdin)
     proc.stdin.close()
     rows = wait_for(lambda: len(client.list()) == len(stdin.splitlines() or [1]) and client.list())
     proc.send_signal(signal.SIGINT)
-    proc.wait(30)
     assert proc.stderr is not None
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(10)
+        pytest.fail(f"still running 30 s after Ctrl-C; its threads:\n{proc.stderr.read()}")
     err = proc.stderr.read()
     assert proc.returncode == ExitCode.INTERRUPTED, err
     assert said.format(id=rows[0]["id"]) in err and "Traceback" not in err, err
