@@ -311,14 +311,21 @@ def test_python_api_refuses_text_that_is_not_utf8(client: Client) -> None:
 def test_ctrl_c_says_what_was_submitted(
     args: list[str], stdin: str, said: str, hosts: str, root: str, client: Client
 ) -> None:
-    proc = subprocess.Popen(
-        [*ZKQ, "--zk", hosts, "--root", root, "submit", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**_env(), "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack on stderr
-    )
+    # A test run started in the background by a non-interactive shell inherits SIGINT ignored,
+    # and so would the command (as after nohup): give it the default disposition, as a terminal
+    # does (a Python handler here is reset to the default in the child by exec).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [*ZKQ, "--zk", hosts, "--root", root, "submit", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**_env(), "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack on stderr
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert proc.stdin is not None
     proc.stdin.write(stdin)
     proc.stdin.close()
