@@ -34,6 +34,7 @@ from typing import Any
 
 from scripts.bench.core import stop_processes
 from zkqueue import Client
+from zkqueue.errors import JobTimeout
 from zkqueue.result import Result
 from zkqueue.testing import ZkCluster
 
@@ -114,10 +115,12 @@ def phase_load(
     done_by = max(float(r.finished_at or 0) for r in records)
     ended = []
     for job in low_jobs:
-        if job.status() not in ("pending", "running"):
-            record = job.result(timeout=1)
-            ended.append(float(record.finished_at or 0))
-        else:
+        if job.status() in ("pending", "running"):
+            job.cancel()
+            continue
+        try:  # ended, or between states (given back, claimed again): neither pending nor running
+            ended.append(float(job.result(timeout=5).finished_at or 0))
+        except JobTimeout:
             job.cancel()
     finished = sorted([*ended, *(float(r.finished_at or 0) for r in records)])
     places = sorted(finished.index(float(r.finished_at or 0)) + 1 for r in records)
