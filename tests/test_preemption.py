@@ -55,6 +55,10 @@ def test_a_high_job_takes_the_newest_low_jobs_slot(
     assert handle.worker.stats.preempted == 1
     preempted = {"queue": "default", "priority": "low"}
     assert metrics.registry.get_sample_value("zkq_preemptions_total", preempted) == 1
+    wait_for(
+        lambda: [w.get("preempted") for w in client.workers()] == [1],
+        message="the registration counting the preemption",
+    )
     runner.release_all()
     assert high.result(timeout=10).ok
     # Every low job ends succeeded, once; the preempted one says so, with one attempt.

@@ -128,7 +128,7 @@ class Liveness:
             if gone is not None:
                 gone.cancel(CancelReason.LEASE)
 
-    def maybe_heartbeat(self, state: str, stats: tuple[int, int], slots: int) -> bool:
+    def maybe_heartbeat(self, state: str, stats: tuple[int, int, int], slots: int) -> bool:
         """Rewrite the registration when due; returns whether a heartbeat was due."""
         now = time.monotonic()
         if now < self.next_heartbeat:
@@ -140,7 +140,7 @@ class Liveness:
         record.state = state
         record.slots_busy = len(self.held)
         record.running = [j.id for j in self.held.values()]
-        record.completed, record.failed = stats
+        record.completed, record.failed, record.preempted = stats
         record.memory = self.cache_figures()
         self.metrics.slots(len(self.held), slots)
         if self.admission.pages_total is not None:

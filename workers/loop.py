@@ -204,7 +204,7 @@ class Worker:
 
     def _periodic(self) -> None:
         live = self.liveness
-        counts = (self.stats.completed, self.stats.failed)
+        counts = (self.stats.completed, self.stats.failed, self.stats.preempted)
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
         if beat and self.line.recheck():  # the head: is its place still there?
             self.view.poll()  # entries created without the arrival signal

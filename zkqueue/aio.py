@@ -238,8 +238,7 @@ class AsyncClient:
             return await self.blocking(self._waiting, queue)
 
     def _waiting(self, queue: str) -> int:
-        depth = counts.depth(self.zk, self.layout, queue)
-        return sum(depth.values()) - counts.children(self.zk, self.layout.claims(queue))
+        return counts.waiting(self.zk, self.layout, queue)
 
     async def check_room(self, queue: str) -> None:
         """Raise QueueFull when the queue holds its maximum of waiting jobs."""

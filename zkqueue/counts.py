@@ -75,6 +75,20 @@ def depth(zk: KazooClient, layout: Layout, queue: str) -> dict[str, int]:
     return {p: sum(n for _, n in pairs) for p, pairs in bucket_counts(zk, layout, queue).items()}
 
 
+def waiting(zk: KazooClient, layout: Layout, queue: str) -> int:
+    """Jobs of a queue not yet started (``not_started``), from child counts only: never a
+    listing of entries. The count that ``max_pending`` bounds and ``zkq stats`` shows."""
+    claims = zk.exists_async(layout.claims(queue))
+    entries = depth(zk, layout, queue)
+    stat = claims.get()
+    return not_started(entries, stat.numChildren if stat is not None else 0)
+
+
+def not_started(depth: dict[str, int], running: int) -> int:
+    """Waiting jobs: the entries of every priority (running ones included) minus the claims."""
+    return sum(depth.values()) - running
+
+
 def results(zk: KazooClient, layout: Layout, queue: str) -> int:
     """Stored results of a queue: the sum of its 256 hash buckets' child counts."""
     calls = [zk.exists_async(layout.result_dir(queue, b)) for b in RESULT_BUCKETS]

@@ -103,12 +103,8 @@ class Limits:
         self.set(queue, max_pending=max_pending)
 
     def waiting(self, queue: str) -> int:
-        """Jobs not yet started: entries (the child counts of the pending buckets) minus
-        claims."""
-        running = self.zk.exists_async(self.layout.claims(queue))
-        depth = sum(counts.depth(self.zk, self.layout, queue).values())
-        claims = running.get()
-        return depth - (claims.numChildren if claims else 0)
+        """Jobs not yet started (``counts.waiting``)."""
+        return counts.waiting(self.zk, self.layout, queue)
 
     def check_room(self, queue: str, adding: int = 1) -> None:
         limit = self.settings(queue).max_pending

@@ -33,7 +33,7 @@ def queue_stats(zk: KazooClient, layout: Layout, queue: str) -> dict[str, Any]:
     depth = counts.depth(zk, layout, queue)
     found = {k: (s.numChildren if (s := c.get()) else 0) for k, c in calls.items()}
     found["results"] = counts.results(zk, layout, queue)
-    waiting = sum(depth.values()) - found["running"]
+    waiting = counts.not_started(depth, found["running"])
     try:
         settings = QueueSettings.from_bytes(settings_call.get()[0])
     except NoNodeError:

@@ -37,6 +37,8 @@ class WorkerRecord:
     #: Jobs this worker finished since it started, and how many of those did not succeed.
     completed: int = 0
     failed: int = 0
+    #: Jobs this worker gave back to the queue for a more urgent one since it started.
+    preempted: int = 0
     running: list[str] = field(default_factory=list)
     #: Runner figures: model, device, dtype, weight_bytes...
     runner_info: dict[str, Any] = field(default_factory=dict)

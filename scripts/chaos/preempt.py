@@ -17,14 +17,17 @@ def preemption_storm(
     highs: int = 16,
     workers: int = 3,
     *,
-    delay: float = 1.0,
+    delay: float = 3.0,
     slots: int = 2,
     high_every: float = 1.0,
     session_timeout: float = 3.0,
     hosts: str | None = None,
 ) -> ChaosReport:
     """Low jobs faster than ``workers`` x ``slots`` echo slots serve them, so every slot is
-    busy; a high job every ``high_every`` seconds, each taking the slot of a low one
+    busy; jobs last ``delay`` seconds, long against the time a preemption takes, so that a high
+    job finds every slot busy rather than one that freed a moment before (with 1 s jobs in four
+    slots a slot frees every 0.25 s, and a loaded run once saw no preemption at all); a high
+    job every ``high_every`` seconds, each taking the slot of a low one
     (``--preempt-protect 0.5``: the same low job may be preempted again half a second later);
     one worker killed with -9 once the preemptions have begun, and a replacement started."""
     started = time.monotonic()
