@@ -68,9 +68,11 @@ def workers(ctx: click.Context, as_json: bool) -> None:
             if cache
             else ""
         )
+        # Jobs given back for a more urgent one (a registration without the field: none).
+        preempted = f" preempted={r['preempted']}" if r.get("preempted") else ""
         click.echo(
             f"{r['id']}  queue={r['queue']} {r['runner']} {r['state']} "
-            f"slots {r['slots_busy']}/{r['slots_max']}{mem_text} "
+            f"slots {r['slots_busy']}/{r['slots_max']}{mem_text}{preempted} "
             f"running={','.join(r['running']) or '-'}"
         )
 
