@@ -286,29 +286,12 @@ class CalibrationCache:
             yield False
             return
         with handle:
-            deadline = time.monotonic() + wait_s
-            announced = False
-            while True:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        log.warning("another start is still calibrating; measuring anyway")
-                        yield False
-                        return
-                    if not announced:
-                        log.info("another start on this host is calibrating; waiting for it")
-                        announced = True
-                    time.sleep(_TURN_POLL)
-                except OSError as exc:  # a filesystem without locks
-                    log.debug("cannot lock %s: %s", lock_path, exc)
-                    yield False
-                    return
+            held = _take_lock(handle, wait_s, lock_path)
             try:
-                yield True
+                yield held
             finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                if held:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
 
     def write(self, key: dict, slots: int, curve: Sequence[Point]) -> None:
         record = {
@@ -329,6 +312,28 @@ class CalibrationCache:
             message = f"cannot write the calibration cache {target}: {exc.strerror or exc}"
             self.warnings.append(message)
             log.warning("%s (the knee is measured again at the next start)", message)
+
+
+def _take_lock(handle: Any, wait_s: float, lock_path: Path) -> bool:
+    """Take the exclusive flock on ``handle`` within ``wait_s`` seconds; False when it cannot
+    be had (still held by another start after ``wait_s``, or a filesystem without locks)."""
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                log.warning("another start is still calibrating; measuring anyway")
+                return False
+            if not announced:
+                log.info("another start on this host is calibrating; waiting for it")
+                announced = True
+            time.sleep(_TURN_POLL)
+        except OSError as exc:  # a filesystem without locks
+            log.debug("cannot lock %s: %s", lock_path, exc)
+            return False
 
 
 # -- choosing the slots ------------------------------------------------------------------------

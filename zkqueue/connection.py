@@ -166,13 +166,16 @@ def mapped_errors(hosts: str) -> Iterator[None]:
         ) from None
 
 
-def await_connected(zk: KazooClient, deadline: float, hosts: str, doing: str) -> None:
+def await_connected(
+    zk: KazooClient, settings: ConnectionSettings, deadline: float, doing: str
+) -> None:
     """Bounded wait for kazoo to reconnect (to this server or another of the ensemble; after
     an expired session kazoo opens a new one by itself)."""
     while not zk.connected:
         if time.monotonic() > deadline:
             raise ZkqConnectionError(
-                f"lost ZooKeeper at {hosts} while {doing} and it did not come back in time"
+                f"lost ZooKeeper at {settings.hosts} while {doing} and it did not come back "
+                f"within {settings.connect_timeout:g}s"
             )
         time.sleep(RECONNECT_POLL)
 
@@ -182,12 +185,14 @@ def read_through_loss(
 ) -> _T:
     """Run ``read`` (reads, or writes that are idempotent), and if the connection goes away
     meanwhile (lost, or the session expired while ZooKeeper was down) wait for kazoo to
-    reconnect and run it again, all within ``connect_timeout``."""
+    reconnect and run it again, all within ``connect_timeout``; past it, ZkqConnectionError."""
     deadline = time.monotonic() + settings.connect_timeout
     while True:
         try:
             return read()
-        except TRANSIENT:
+        except TRANSIENT as exc:
             if time.monotonic() > deadline:
-                raise
-            await_connected(zk, deadline, settings.hosts, doing)
+                raise ZkqConnectionError(
+                    f"lost ZooKeeper at {settings.hosts} while {doing}: {type(exc).__name__}"
+                ) from exc
+            await_connected(zk, settings, deadline, doing)

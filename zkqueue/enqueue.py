@@ -13,7 +13,6 @@ before creating again: a retry never enqueues a job twice.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient
@@ -26,7 +25,7 @@ from kazoo.exceptions import (
 )
 
 from zkqueue import arrival, claims, defaults, protocol
-from zkqueue.connection import ConnectionSettings, await_connected
+from zkqueue.connection import ConnectionSettings, read_through_loss
 from zkqueue.errors import ConfigurationError, ZkqConnectionError
 from zkqueue.layout import Layout
 from zkqueue.nodes import read_tail
@@ -34,7 +33,6 @@ from zkqueue.nodes import read_tail
 #: Creates per multi in create_many, and multis in flight at once.
 _MULTI_CREATES = 100
 _MULTIS_IN_FLIGHT = 8
-#: Seconds between checks while waiting for kazoo to reconnect.
 #: Tries when the tail keeps moving under us (every try reads it again).
 _STALE_TRIES = 50
 
@@ -182,9 +180,10 @@ class Enqueuer:
         """A multi whose reply was lost committed as a whole or not at all: look its ids up
         once the connection is back (an entry, or a result if a worker already finished it)
         and create them again only if none is there. None: finished before it was found."""
-        deadline = time.monotonic() + self.settings.connect_timeout
         jid, queue, priority, _ = chunk[0]
-        first = self._find_after_loss(queue, priority, jid, deadline)
+        first = read_through_loss(
+            self._zk(), self.settings, lambda: self.find(queue, priority, jid), "enqueuing"
+        )
         names = [first, *(self.find(q, p, j) for j, q, p, _ in chunk[1:])]
         zk = self._zk()
         if any(names) or any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
@@ -206,22 +205,6 @@ class Enqueuer:
                 f"(check with: zkq status {job_id})",
                 job_id=job_id,
             ) from None
-
-    def _find_after_loss(
-        self, queue: str, priority: str, job_id: str, deadline: float
-    ) -> str | None:
-        while True:
-            self._await_connected(deadline)
-            try:
-                return self.find(queue, priority, job_id)
-            except (ConnectionLoss, SessionExpiredError):
-                if time.monotonic() > deadline:
-                    raise ZkqConnectionError(
-                        f"lost ZooKeeper at {self.settings.hosts} while enqueuing"
-                    ) from None
-
-    def _await_connected(self, deadline: float) -> None:
-        await_connected(self._zk(), deadline, self.settings.hosts, "enqueuing")
 
 
 def _relative(path: str) -> str:
