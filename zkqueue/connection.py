@@ -183,11 +183,14 @@ def await_connected(
 def read_through_loss(
     zk: KazooClient, settings: ConnectionSettings, read: Callable[[], _T], doing: str
 ) -> _T:
-    """Run ``read`` (reads, or writes that are idempotent), and if the connection goes away
-    meanwhile (lost, or the session expired while ZooKeeper was down) wait for kazoo to
-    reconnect and run it again, all within ``connect_timeout``; past it, ZkqConnectionError."""
+    """Run ``read`` (reads, or writes that are idempotent) once kazoo is connected, and if the
+    connection goes away meanwhile (lost, or the session expired while ZooKeeper was down) wait
+    for kazoo to reconnect and run it again, all within ``connect_timeout``; past it,
+    ZkqConnectionError. The wait comes first: a request sent while kazoo is disconnected is
+    queued until it reconnects, with no bound of its own."""
     deadline = time.monotonic() + settings.connect_timeout
     while True:
+        await_connected(zk, settings, deadline, doing)
         try:
             return read()
         except TRANSIENT as exc:
@@ -195,4 +198,3 @@ def read_through_loss(
                 raise ZkqConnectionError(
                     f"lost ZooKeeper at {settings.hosts} while {doing}: {type(exc).__name__}"
                 ) from exc
-            await_connected(zk, settings, deadline, doing)
