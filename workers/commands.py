@@ -35,10 +35,11 @@ _MAX_RESULT_BYTES = click.option(
 @click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
 @click.option(
     "--runner",
-    type=click.Choice(["echo", "hf"]),
+    type=click.Choice(["echo", "hf", "openai"]),
     default="echo",
     show_default=True,
-    help="echo (smoke tests, benchmarks) or hf (a transformers model; implied by --model).",
+    help="echo (smoke tests, benchmarks), hf (a transformers model in process; implied by "
+    "--model) or openai (an OpenAI-compatible inference server; implied by --upstream).",
 )
 @click.option("--model", default=None, help="Local model directory (transformers causal LM).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
@@ -64,6 +65,49 @@ _MAX_RESULT_BYTES = click.option(
     "--greedy-only",
     is_flag=True,
     help="A greedy-only engine: faster steps; sampled jobs then run one at a time.",
+)
+@click.option(
+    "--upstream",
+    default=None,
+    metavar="URL",
+    help="The openai runner's server: its OpenAI base URL, e.g. http://127.0.0.1:8000/v1.",
+)
+@click.option(
+    "--upstream-model", default=None, help="The server's model to use [default: its only one]."
+)
+@click.option(
+    "--upstream-api-key",
+    default=None,
+    envvar="ZKQ_UPSTREAM_API_KEY",
+    help="Bearer key for the server [env: ZKQ_UPSTREAM_API_KEY].",
+)
+@click.option(
+    "--upstream-priority/--no-upstream-priority",
+    default=False,
+    show_default=True,
+    help="Send each job's priority as vLLM's priority field (high -1, normal 0, low 1; for "
+    "vllm serve --scheduling-policy priority).",
+)
+@click.option(
+    "--upstream-max-waiting",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Claim only while the server's waiting queue holds at most N (from its /metrics).",
+)
+@click.option(
+    "--upstream-max-kv-use",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.9,
+    show_default=True,
+    help="Claim only while the server's KV-cache use is below this (from its /metrics).",
+)
+@click.option(
+    "--upstream-timeout",
+    type=SECONDS,
+    default=120.0,
+    show_default=True,
+    help="Seconds without a byte from the server before a request counts as its failure.",
 )
 @click.option(
     "--slow-after", type=SECONDS, default=30.0, show_default=True, help="Log jobs slower than this."
@@ -186,6 +230,7 @@ def worker(ctx: click.Context, quiet: bool, **options: Any) -> None:
     Examples:
       zkq worker --queue default --runner echo --max-concurrency 4
       zkq worker --queue llama --model /srv/models/llama --max-concurrency 8 --vram-reserve 2GiB
+      zkq worker --queue llama --upstream http://127.0.0.1:8000/v1 --upstream-priority
     """
     from workers.config import apply_config
     from workers.daemon import run_worker

@@ -38,6 +38,8 @@ def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
     model that fails to load is an error before the worker registers."""
     if opts.max_concurrency is not None and opts.max_concurrency < 1:
         raise ConfigurationError("--max-concurrency must be at least 1")
+    if opts.upstream is not None or opts.runner == "openai":
+        return _upstream_runner(opts), Admission()
     if opts.model is None and opts.runner == "echo":
         return EchoRunner(delay=opts.echo_delay), Admission()
     if opts.model is None:
@@ -45,6 +47,33 @@ def build_runner(opts: WorkerOptions) -> tuple[Runner, Admission]:
     from workers.model import build_model_runner  # imports torch: only for model workers
 
     return build_model_runner(opts)
+
+
+def _upstream_runner(opts: WorkerOptions) -> Runner:
+    """The openai runner, after asking its server what it serves (``UpstreamRunner.probe``)."""
+    from workers.calibration import Slots
+    from workers.runners.upstream import UpstreamRunner, UpstreamSettings
+
+    if opts.upstream is None:
+        raise ConfigurationError("the openai runner needs --upstream URL")
+    if opts.model is not None:
+        raise ConfigurationError("--model is for the hf runner; the openai runner takes --upstream")
+    settings = UpstreamSettings(
+        opts.upstream,
+        model=opts.upstream_model,
+        api_key=opts.upstream_api_key,
+        send_priority=opts.upstream_priority,
+        max_waiting=opts.upstream_max_waiting,
+        max_kv_use=opts.upstream_max_kv_use,
+        timeout=opts.upstream_timeout,
+    )
+    count = opts.max_concurrency
+    slots = None if count is None else Slots(count, "flag", detail="--max-concurrency")
+    # httpx logs every request at INFO: the worker's own lines say what happened to each job.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    runner = UpstreamRunner(settings, slots=slots, default_max_runtime=opts.max_runtime)
+    runner.probe()
+    return runner
 
 
 def run_worker(settings: ConnectionSettings, opts: WorkerOptions) -> int:

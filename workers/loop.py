@@ -29,6 +29,7 @@ from workers.metrics import WorkerMetrics
 from workers.options import WorkerOptions, default_worker_id, slots_for
 from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
+from workers.runners.gate import Gate, GateState
 from workers.stats import WorkerStats
 from zkqueue import protocol
 from zkqueue.claims import Claim, Claims
@@ -130,6 +131,10 @@ class Worker:
             lease=opts.lease,
             heartbeat_interval=opts.heartbeat_interval,
         )
+        #: The dispatch gate of a runner in front of an inference server (None: slots alone).
+        self.gate: Gate | None = getattr(runner, "gate", None)
+        if self.gate is not None:
+            self.gate.on_change = lambda: self._post(Event.WAKE)
         self._drain_deadline: float | None = None
         self._release_deadline: float | None = None
         self._queue_empty = False
@@ -167,6 +172,7 @@ class Worker:
         self.zk.add_listener(self._on_state)
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()
+        self._engine_figures()
         self.registry.register(wait=self.registry.session_lifetime())
         self.bridge.start()
         self.state = State.RUNNING
@@ -205,6 +211,8 @@ class Worker:
     def _periodic(self) -> None:
         live = self.liveness
         counts = (self.stats.completed, self.stats.failed, self.stats.preempted)
+        if live.next_heartbeat <= time.monotonic():
+            self._engine_figures()
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
         if beat and self.line.recheck():  # the head: is its place still there?
             self.view.poll()  # entries created without the arrival signal
@@ -276,6 +284,8 @@ class Worker:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _free_slots(self) -> int:
+        if self.gate is not None and self.gate.state != GateState.OPEN:
+            return 0  # the server has no room (or is down): as if every slot were busy
         free = self.slots - self.busy
         if self.opts.max_jobs is not None:
             free = min(free, self.opts.max_jobs - self._stats.claimed)
@@ -289,7 +299,10 @@ class Worker:
         free = self._free_slots()
         if self.state != State.RUNNING or free <= 0:
             self.head.drop_watches()
-            if self.state == State.RUNNING and self._room_after():
+            if self.line.joined and self.state == State.RUNNING:
+                self._leave_line()  # the gate shut while we stood in the line: let others by
+            engine_up = self.gate is None or self.gate.up
+            if self.state == State.RUNNING and self._room_after() and engine_up:
                 self._hand_in(self.preemption.turn(self.held))  # every slot busy
             else:
                 self.preemption.leave()
@@ -318,6 +331,8 @@ class Worker:
         if not claimed:
             return
         self._stats.claimed += len(claimed)
+        if self.gate is not None:
+            self.gate.claimed(len(claimed))
         self.metrics.batch(self.queue, len(claimed))
         jobs = []
         for claim, pages in claimed:
@@ -356,7 +371,12 @@ class Worker:
 
     def _complete(self) -> None:
         if self.completer.queued and not self.liveness.suspended:
-            rejoin = self.state == State.RUNNING and not self.line.joined and self._room_after()
+            rejoin = (
+                self.state == State.RUNNING
+                and not self.line.joined
+                and self._room_after()
+                and (self.gate is None or self.gate.state == GateState.OPEN)
+            )
             self.completer.flush(rejoin)
 
     def _forget(self, job: RunningJob) -> None:
@@ -365,6 +385,11 @@ class Worker:
             self.bridge.forget(job)
             if job.cancel_reason in (None, CancelReason.CANCELLED):  # its entry is gone
                 self.view.drop(job.claim.priority, job.claim.entry)
+
+    def _engine_figures(self) -> None:
+        """The server's figures and the gate's state, for the registration's ``engine``."""
+        if self.gate is not None:
+            self.registry.record.engine = self.gate.record()
 
     def _room_after(self) -> bool:
         return self.opts.max_jobs is None or self._stats.claimed < self.opts.max_jobs

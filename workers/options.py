@@ -66,6 +66,19 @@ class WorkerOptions:
     #: A greedy-only engine: faster decoding steps (no per-step sampling work), but sampled jobs
     #: then run one at a time outside the batch. Off: greedy and sampled jobs share the batch.
     greedy_only: bool = False
+    #: The openai runner: the inference server's OpenAI base URL (``http://host:port/v1``).
+    upstream: str | None = None
+    #: The model to ask the server for (None: its only model).
+    upstream_model: str | None = None
+    upstream_api_key: str | None = None
+    #: Send each job's priority as vLLM's per-request ``priority`` field.
+    upstream_priority: bool = False
+    #: Claim while the server's waiting queue holds at most this many requests...
+    upstream_max_waiting: int = 0
+    #: ... and its KV-cache use is below this fraction (where it publishes them).
+    upstream_max_kv_use: float = 0.9
+    #: Seconds without a byte from the server before a request counts as the server's failure.
+    upstream_timeout: float = 120.0
 
     # -- what the daemon adds -----------------------------------------------------------------
     #: Take part in the janitor's election (one active janitor per cluster).
@@ -112,6 +125,7 @@ _POSITIVE = (
     "result_ttl",
     "max_runtime",
     "preempt_protect",
+    "upstream_timeout",
 )
 
 

@@ -1,0 +1,212 @@
+"""The dispatch gate of an inference server behind a worker: may the worker claim another job now?
+
+A worker in front of a server (``workers.runners.upstream``) claims a job only while the server has
+room, so the backlog waits in the queue, in priority order, not in the server's first-come queue.
+Three things decide:
+
+* **Slots**, always: the worker holds at most ``--max-concurrency`` jobs (the loop counts them).
+* **The server's own figures**, where it publishes Prometheus metrics at ``/metrics``: the gate
+  is open while its waiting queue holds at most ``max_waiting`` requests (default 0) and its
+  KV-cache use is below ``max_kv_use`` (default 0.9). The figures are read a few times a second;
+  after a turn that claimed jobs the gate stays shut until the next reading, so one stale
+  reading admits one turn's jobs at most. Known engines and the names read (each summed over its
+  label sets, so a server with several models reads as one):
+
+  - vLLM: waiting ``vllm:num_requests_waiting``, running ``vllm:num_requests_running``, KV use
+    ``vllm:kv_cache_usage_perc`` (or its older name ``vllm:gpu_cache_usage_perc``);
+  - SGLang: ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``, ``sglang:token_usage``;
+  - TGI: ``tgi_queue_size``, ``tgi_batch_current_size`` (it publishes no KV-cache use).
+
+  A server without ``/metrics`` (``transformers serve``) is gated by slots alone.
+* **Health**: a request that fails for the server's sake (connection refused or reset, a 5xx)
+  marks the engine *down*; the gate stays shut until ``/health`` (or ``/v1/models`` where there
+  is no ``/health``) answers 200 again. A reading of ``/metrics`` that cannot connect does the
+  same, so a server that dies while idle is seen within a reading.
+
+The gate's state is written by the runner's event-loop thread and read by the worker loop's
+thread; ``on_change`` (set by the worker) is called when the gate may have opened.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Default thresholds: claim while the server's waiting queue is at most this long...
+MAX_WAITING = 0
+#: ... and its KV-cache use is below this fraction.
+MAX_KV_USE = 0.9
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Where one engine publishes its figures (the first name present is read)."""
+
+    waiting: tuple[str, ...]
+    running: tuple[str, ...]
+    kv_use: tuple[str, ...] = ()
+
+
+#: The engines whose metrics the gate reads, by the name the registration shows.
+ENGINES: dict[str, MetricNames] = {
+    "vllm": MetricNames(
+        ("vllm:num_requests_waiting",),
+        ("vllm:num_requests_running",),
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    "sglang": MetricNames(
+        ("sglang:num_queue_reqs",), ("sglang:num_running_reqs",), ("sglang:token_usage",)
+    ),
+    "tgi": MetricNames(("tgi_queue_size",), ("tgi_batch_current_size",)),
+}
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """One reading of a server's metrics (None: not published)."""
+
+    engine: str
+    waiting: float | None = None
+    running: float | None = None
+    kv_use: float | None = None
+
+
+def parse_metrics(text: str) -> EngineFigures | None:
+    """The figures of the first known engine found in Prometheus exposition ``text``, or None
+    when the text holds none of the known names."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # The figures are gauges: one sample per label set, named as the family.
+            if sample.name == family.name and math.isfinite(sample.value):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    for engine, names in ENGINES.items():
+        waiting = _first(totals, names.waiting)
+        running = _first(totals, names.running)
+        if waiting is None and running is None:
+            continue
+        return EngineFigures(engine, waiting, running, _first(totals, names.kv_use))
+    return None
+
+
+def _first(totals: dict[str, float], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if name in totals:
+            return totals[name]
+    return None
+
+
+class GateState(enum.StrEnum):
+    """What the registration shows as ``engine.gate``."""
+
+    #: The worker may claim (slots permitting).
+    OPEN = "open"
+    #: The server is busy by its own figures (or the last turn's jobs are not counted yet).
+    BUSY = "busy"
+    #: The server is unreachable or failing: nothing is claimed until its health check passes.
+    DOWN = "down"
+
+
+class Gate:
+    """The gate's state; the runner feeds it readings and faults, the worker loop asks it."""
+
+    def __init__(self, max_waiting: int = MAX_WAITING, max_kv_use: float = MAX_KV_USE) -> None:
+        self.max_waiting = max_waiting
+        self.max_kv_use = max_kv_use
+        #: Called (from the runner's thread) when the gate may have opened.
+        self.on_change: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        #: Down until the first health check passes: a worker never claims blind.
+        self._down: str | None = "not checked yet"
+        self._down_since = time.time()
+        self._figures: EngineFigures | None = None
+        self._claimed_since_reading = False
+        self.downs = 0
+
+    # -- what the worker loop asks --------------------------------------------------------------
+
+    @property
+    def state(self) -> GateState:
+        with self._lock:
+            return self._state()
+
+    @property
+    def up(self) -> bool:
+        with self._lock:
+            return self._down is None
+
+    def claimed(self, jobs: int) -> None:
+        """The worker claimed ``jobs``: with metrics, shut until the next reading counts them."""
+        if jobs > 0:
+            with self._lock:
+                self._claimed_since_reading = self._figures is not None
+
+    def record(self) -> dict[str, Any]:
+        """The registration's ``engine`` figures."""
+        with self._lock:
+            out: dict[str, Any] = {"gate": self._state().value}
+            figures = self._figures
+            if figures is not None:
+                out["engine"] = figures.engine
+                for name in ("waiting", "running", "kv_use"):
+                    value = getattr(figures, name)
+                    if value is not None:
+                        out[name] = round(value, 3) if name == "kv_use" else int(value)
+            if self._down is not None:
+                out["down"] = self._down
+                out["down_since"] = round(self._down_since, 3)
+            return out
+
+    # -- what the runner tells it ---------------------------------------------------------------
+
+    def reading(self, figures: EngineFigures | None) -> None:
+        """A reading of the server's metrics (None: it publishes none)."""
+        with self._lock:
+            before = self._state()
+            self._figures = figures
+            self._claimed_since_reading = False
+            after = self._state()
+        self._changed(before, after)
+
+    def down(self, reason: str) -> bool:
+        """The server failed a request or a reading; returns whether it was up until now."""
+        with self._lock:
+            was_up = self._down is None
+            if was_up:
+                self._down = reason
+                self._down_since = time.time()
+                self.downs += 1
+        return was_up
+
+    def healthy(self) -> None:
+        """The server's health check passed."""
+        with self._lock:
+            before = self._state()
+            self._down = None
+            after = self._state()
+        self._changed(before, after)
+
+    def _state(self) -> GateState:
+        if self._down is not None:
+            return GateState.DOWN
+        figures = self._figures
+        if figures is None:
+            return GateState.OPEN
+        if self._claimed_since_reading:
+            return GateState.BUSY
+        if figures.waiting is not None and figures.waiting > self.max_waiting:
+            return GateState.BUSY
+        if figures.kv_use is not None and figures.kv_use >= self.max_kv_use:
+            return GateState.BUSY
+        return GateState.OPEN
+
+    def _changed(self, before: GateState, after: GateState) -> None:
+        if after == GateState.OPEN and before != GateState.OPEN and self.on_change is not None:
+            self.on_change()
