@@ -42,6 +42,9 @@ class WorkerRecord:
     running: list[str] = field(default_factory=list)
     #: Runner figures: model, device, dtype, weight_bytes...
     runner_info: dict[str, Any] = field(default_factory=dict)
+    #: A worker in front of an inference server: its dispatch gate ("open", "busy" or "down")
+    #: and the server's figures where it publishes them (engine, waiting, running, kv_use).
+    engine: dict[str, Any] | None = None
     #: Memory figures in bytes when known: total, free, reserved, capacity.
     memory: dict[str, Any] | None = None
     started_at: float = field(default_factory=time.time)

@@ -239,7 +239,7 @@ def _workers_table(snap: TopSnapshot, now: float) -> tuple[str, list[Column], li
                 str(w.get("queue")),
                 str(info.get("model") or w.get("runner") or "-"),
                 str(info.get("device") or "-"),
-                Text(str(w.get("state")), style="yellow" if w.get("state") == "draining" else ""),
+                _worker_state(w),
                 f"{w.get('slots_busy', 0)}/{w.get('slots_max', 0)}",
                 memory_bar(w.get("memory")),
                 _job_ids(w.get("running") or []),
@@ -247,6 +247,16 @@ def _workers_table(snap: TopSnapshot, now: float) -> tuple[str, list[Column], li
             ]
         )
     return "workers", columns, rows
+
+
+def _worker_state(w: dict[str, Any]) -> Text:
+    """The worker's state; for one in front of an inference server, its gate too (an engine
+    that is down shows red, a busy one yellow)."""
+    state = str(w.get("state"))
+    gate = (w.get("engine") or {}).get("gate")
+    if gate is not None and gate != "open":
+        return Text(f"{state}, engine {gate}", style="red" if gate == "down" else "yellow")
+    return Text(state, style="yellow" if state == "draining" else "")
 
 
 def _results_table(snap: TopSnapshot, now: float) -> tuple[str, list[Column], list[Row]]:

@@ -9,8 +9,9 @@ Three things decide:
   is open while its waiting queue holds at most ``max_waiting`` requests (default 0) and its
   KV-cache use is below ``max_kv_use`` (default 0.9). The figures are read a few times a second;
   after a turn that claimed jobs the gate stays shut until the next reading, so one stale
-  reading admits one turn's jobs at most. Known engines and the names read (each summed over its
-  label sets, so a server with several models reads as one):
+  reading admits one turn's jobs at most. Known engines and the names read (counts summed over
+  their label sets, so a server with several engines reads as one; the KV-cache use is the
+  highest of them):
 
   - vLLM: waiting ``vllm:num_requests_waiting``, running ``vllm:num_requests_running``, KV use
     ``vllm:kv_cache_usage_perc`` (or its older name ``vllm:gpu_cache_usage_perc``);
@@ -82,17 +83,21 @@ def parse_metrics(text: str) -> EngineFigures | None:
     """The figures of the first known engine found in Prometheus exposition ``text``, or None
     when the text holds none of the known names."""
     totals: dict[str, float] = {}
+    highest: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             # The figures are gauges: one sample per label set, named as the family.
             if sample.name == family.name and math.isfinite(sample.value):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+                highest[sample.name] = max(highest.get(sample.name, 0.0), sample.value)
     for engine, names in ENGINES.items():
         waiting = _first(totals, names.waiting)
         running = _first(totals, names.running)
         if waiting is None and running is None:
             continue
-        return EngineFigures(engine, waiting, running, _first(totals, names.kv_use))
+        # Requests add up over engines (data-parallel ranks); a cache's use is a fraction of
+        # each engine's own cache: the fullest one decides.
+        return EngineFigures(engine, waiting, running, _first(highest, names.kv_use))
     return None
 
 

@@ -3,6 +3,8 @@ completion."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from zkqueue.cli.common import (
@@ -72,9 +74,22 @@ def workers(ctx: click.Context, as_json: bool) -> None:
         preempted = f" preempted={r['preempted']}" if r.get("preempted") else ""
         click.echo(
             f"{r['id']}  queue={r['queue']} {r['runner']} {r['state']} "
-            f"slots {r['slots_busy']}/{r['slots_max']}{mem_text}{preempted} "
-            f"running={','.join(r['running']) or '-'}"
+            f"slots {r['slots_busy']}/{r['slots_max']}{mem_text}{preempted}"
+            f"{engine_text(r.get('engine'))} running={','.join(r['running']) or '-'}"
         )
+
+
+def engine_text(engine: dict[str, Any] | None) -> str:
+    """A worker in front of an inference server: its gate and the server's figures."""
+    if not engine:
+        return ""
+    parts = [f"engine={engine.get('engine', 'openai')}", f"gate={engine.get('gate')}"]
+    for name in ("waiting", "running", "kv_use"):
+        if name in engine:
+            parts.append(f"{name}={engine[name]}")
+    if "down" in engine:
+        parts.append(f"({engine['down']})")
+    return " " + " ".join(parts)
 
 
 @click.group(invoke_without_command=True)
