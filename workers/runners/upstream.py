@@ -15,7 +15,7 @@ the server only while it has room (``workers.runners.gate``). A job's life:
 * The answer streams back as server-sent events: every chunk extends the job's partial output
   (what streaming callers see) and its progress (what keeps its lease alive). The outcome carries
   the server's ``usage`` (prompt_tokens, output_tokens), its ``finish_reason``, the time to first
-  token (``ttft_s``, from the request's start) and ``total_s``.
+  token (``ttft_s``, from the request's start; ``first_token_at``, unix seconds) and ``total_s``.
 * A cancel, a withdrawal, a lost lease, a preemption or ``max_runtime`` closes the request's
   connection at once, which vLLM, SGLang and ``transformers serve`` take as an abort.
 * Faults are ordinary events. A request the server fails for its own sake (connection refused or
@@ -156,6 +156,7 @@ class _Answer:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] = {}
         self.ttft_s: float | None = None
+        self.first_token_at: float | None = None
 
     def add(self, event: dict[str, Any]) -> None:
         if "error" in event:
@@ -169,6 +170,7 @@ class _Answer:
             if piece:
                 if self.ttft_s is None:
                     self.ttft_s = time.monotonic() - self.started
+                    self.first_token_at = time.time()
                 self.text.append(piece)
                 self.job.partial = "".join(self.text)
                 if self.stop and self._stopped(len(piece)):
@@ -196,6 +198,7 @@ class _Answer:
         extra: dict[str, Any] = {
             "finish_reason": self.finish_reason,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
+            "first_token_at": self.first_token_at,
             "total_s": round(time.monotonic() - self.started, 4),
         }
         if "prompt_tokens" in self.usage:
