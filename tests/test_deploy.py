@@ -102,3 +102,17 @@ def test_gateway_unit_and_example_config() -> None:
     assert config.queue_for("llama-3-8b-instruct") == "llama"
     assert [k.priority for k in config.keys] == ["high", "low"]
     assert config.keys[1].max_pending == 500 and not config.keys[1].allows("high")
+
+
+def test_upstream_worker_unit_is_bound_to_its_engine() -> None:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(ROOT / "deploy" / "zkq-upstream@.service")
+    assert unit["Unit"]["BindsTo"] == "vllm@%i.service"
+    assert "vllm@%i.service" in unit["Unit"]["After"].split()
+    service = unit["Service"]
+    assert service["Type"] == "notify"
+    assert "--runner openai --config /etc/zkq/%i.toml" in service["ExecStart"]
+    assert int(service["TimeoutStopSec"]) > defaults.DRAIN_TIMEOUT
+    engine = configparser.ConfigParser(strict=False, interpolation=None)
+    engine.read(ROOT / "deploy" / "vllm@.service")
+    assert "--scheduling-policy priority" in engine["Service"]["ExecStart"]

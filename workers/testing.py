@@ -19,6 +19,11 @@ import httpx
 from zkqueue.testing import free_port
 
 
+#: The server's KV cache: blocks of BLOCK_TOKENS positions (16k tokens in all).
+CACHE_BLOCKS = 512
+BLOCK_TOKENS = 32
+
+
 class InferenceServer:
     """One ``transformers serve`` process on ``port``, its log in ``log_path``."""
 
@@ -61,6 +66,12 @@ class InferenceServer:
             "cpu",
             "--log-level",
             "info",
+            # Left to itself the server sizes its KV cache from the host's memory (about 14 GiB
+            # on a 24 GiB host), so two of them are one too many: a fixed cache of 16k tokens.
+            "--cb-num-blocks",
+            str(CACHE_BLOCKS),
+            "--cb-block-size",
+            str(BLOCK_TOKENS),
             *self.extra_args,
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}

@@ -172,9 +172,10 @@ class _Answer:
                     self.ttft_s = time.monotonic() - self.started
                     self.first_token_at = time.time()
                 self.text.append(piece)
-                self.job.partial = "".join(self.text)
                 if self.stop and self._stopped(len(piece)):
                     return
+                if self.job.spec.stream:  # what its caller sees while it runs
+                    self.job.partial = "".join(self.text)
             self.job.progress += 1
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
@@ -183,13 +184,14 @@ class _Answer:
         """Cut the output before a stop string that the last piece completed. Servers that
         honour ``stop`` never send one (``transformers serve`` does not under continuous
         batching), so the runner applies the job's stop strings itself, as zkq promises."""
-        text = self.job.partial
+        text = "".join(self.text)
         start = max(0, len(text) - added - max(len(s) for s in self.stop) + 1)
         found = [i for s in self.stop if (i := text.find(s, start)) >= 0]
         if not found:
             return False
         self.text = [text[: min(found)]]
-        self.job.partial = self.text[0]
+        if self.job.spec.stream:
+            self.job.partial = self.text[0]
         self.finish_reason = "stop"
         self.cut = True
         return True
