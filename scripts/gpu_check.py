@@ -10,6 +10,7 @@ On a machine without CUDA it exits with code 2; ``--allow-cpu`` runs a small con
 CPU to test the script itself.
 
     .venv/bin/python scripts/gpu_check.py [--jobs 64] [--slots 32] [--prompt-tokens 1024]
+    .venv/bin/python scripts/gpu_check.py --upstream vllm   # the openai runner before vLLM
     .venv/bin/python scripts/gpu_check.py --allow-cpu --device cpu --layers 2 --hidden 256 \\
         --jobs 16 --slots 8 --prompt-tokens 200 --max-new-tokens 32
 """
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from workers.tinymodel import build_tokenizer
 from zkqueue.spec import JobSpec
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: scripts.*
 MIB = 2**20
 
 
@@ -243,6 +246,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=7.0)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
+        "--upstream",
+        choices=["vllm"],
+        default=None,
+        help="check the openai runner in front of this server instead (scripts/gpu_upstream.py)",
+    )
+    parser.add_argument(
         "--allow-cpu",
         action="store_true",
         help="run a (small) configuration on the CPU: for testing this script",
@@ -252,6 +261,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.upstream is not None:
+        from scripts.gpu_upstream import main as upstream_check
+
+        return upstream_check()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from workers.runners.gate import EngineFigures, Gate, GateState, parse_metrics
@@ -121,20 +123,37 @@ def test_thresholds_are_settings() -> None:
     assert gate.state == GateState.BUSY
 
 
-def test_a_turn_that_claimed_waits_for_the_next_reading() -> None:
-    """One stale reading admits one turn's jobs at most; the next reading opens the gate
-    again and wakes the worker."""
-    woken: list[int] = []
+def test_each_reading_lets_the_worker_claim_a_bounded_number_of_jobs() -> None:
+    """16 jobs a reading, or half what the server runs: a server that fills up between two
+    readings takes few jobs into its own queue. A reading asked for before the last claims
+    does not count them, so it does not renew the allowance."""
+    woken: list[str] = []
     gate = Gate()
-    gate.on_change = lambda: woken.append(1)
+    gate.on_change = lambda: woken.append(gate.state.value)
     gate.healthy()
-    gate.reading(parse_metrics(fill(SGLANG)))
-    woken.clear()
-    gate.claimed(3)
-    assert gate.state == GateState.BUSY
-    gate.reading(parse_metrics(fill(SGLANG)))
+    asked = time.monotonic()
+    gate.reading(parse_metrics(fill(SGLANG)), asked)  # 162 running: 81 a reading
+    assert gate.room() == 81
+    gate.claimed(60)
+    assert gate.room() == 21
+    gate.reading(parse_metrics(fill(SGLANG)), asked)  # asked before the claims
+    assert gate.room() == 21
+    gate.claimed(21)
+    assert (gate.room(), gate.state) == (0, GateState.BUSY)
+    assert not gate.server_busy  # full by the allowance, not by the server's own figures
+    gate.reading(parse_metrics(fill(TGI)))  # 8 running: 16 a reading
+    assert (gate.room(), gate.state) == (16, GateState.OPEN)
+    assert woken[-2:] == ["busy", "open"]
+
+
+def test_a_failed_reading_shuts_the_gate_until_one_succeeds() -> None:
+    gate = Gate()
+    gate.healthy()
+    gate.reading(parse_metrics(fill(VLLM)))
+    gate.stale()
+    assert (gate.state, gate.room(), gate.server_busy) == (GateState.BUSY, 0, True)
+    gate.reading(parse_metrics(fill(VLLM)))
     assert gate.state == GateState.OPEN
-    assert woken == [1]
 
 
 def test_without_metrics_slots_alone_gate() -> None:
@@ -142,18 +161,21 @@ def test_without_metrics_slots_alone_gate() -> None:
     gate.healthy()
     gate.reading(None)
     gate.claimed(16)
-    assert gate.state == GateState.OPEN
+    gate.stale()  # nothing to go stale
+    assert (gate.state, gate.room()) == (GateState.OPEN, None)
+    assert gate.record() == {"gate": "open"}
 
 
 def test_down_until_healthy_whatever_the_figures_say() -> None:
-    woken: list[int] = []
+    woken: list[str] = []
     gate = Gate()
-    gate.on_change = lambda: woken.append(1)
+    gate.on_change = lambda: woken.append(gate.state.value)
     assert gate.state == GateState.DOWN  # never claims before the first health check
+    assert gate.room() == 0
     gate.healthy()
-    assert woken == [1]
     assert gate.down("connection refused") is True
     assert gate.down("connection refused") is False  # one outage, counted once
+    assert woken == ["open", "down"]  # a shut gate wakes the worker too: it leaves the line
     gate.reading(parse_metrics(fill(VLLM)))
     assert gate.state == GateState.DOWN
     assert gate.record()["down"] == "connection refused"

@@ -16,13 +16,15 @@ import pytest
 from tests.conftest import wait_for
 from workers.daemon import build_runner
 from workers.options import WorkerOptions
+from workers.runners.base import CancelReason, RunningJob
 from workers.runners.gate import GateState
-from workers.runners.upstream import UpstreamRunner
+from workers.runners.upstream import UpstreamRunner, UpstreamSettings
 from workers.testing import InferenceServer
 from workers.tinymodel import write_tiny_model
 from zkqueue import Client
 from zkqueue.errors import ConfigurationError
 from zkqueue.registry import read_records
+from zkqueue.spec import JobSpec
 
 PROMPTS = [
     "The quick brown fox",
@@ -117,10 +119,17 @@ def test_a_request_the_server_refuses_fails_with_its_message(
 
 
 def test_the_concurrency_gate_alone_behind_a_server_without_metrics(
-    server: InferenceServer, upstream_worker: Callable[..., Any], client: Client
+    server: InferenceServer,
+    upstream_worker: Callable[..., Any],
+    client: Client,
+    zkq: Callable[..., Any],
 ) -> None:
     handle, runner = upstream_worker(server.url, slots=2)
     assert runner.metrics is False  # transformers serve has no /metrics
+    wait_for(lambda: engine_of(client, handle.worker.id).get("gate") == "open")
+    shown = zkq("workers").stdout
+    assert "openai running slots 0/2" in shown
+    assert "engine=openai gate=open" in shown
     most = [0]
     stop = threading.Event()
 
@@ -156,6 +165,30 @@ def test_high_jobs_start_before_every_low_job_not_yet_started(
     later_lows = [r for r in low_results if (r.started_at or 0) > submitted]
     assert later_lows, "every low job had started before the high ones came"
     assert all(last_high_start < (r.started_at or 0) for r in later_lows)
+
+
+def test_a_preempted_jobs_request_is_closed_and_the_job_given_back(
+    server: InferenceServer, upstream_worker: Callable[..., Any], client: Client
+) -> None:
+    """A full worker (2 slots of long low jobs) takes a high job: its newest low job's request
+    is closed (the server then runs two requests, not three) and the job is pending again; it
+    ends succeeded later, once, its preemption counted and not as an attempt."""
+    handle, _ = upstream_worker(server.url, slots=2)
+    lows = [
+        client.submit(f"A long low job {i}", priority="low", max_new_tokens=300) for i in (0, 1)
+    ]
+    wait_for(lambda: len(handle.worker.held) == 2 and _progressed(handle, 2), timeout=60)
+    high = client.submit("An urgent job", priority="high", max_new_tokens=8)
+    assert high.result(timeout=60).ok
+    results = [job.result(timeout=120) for job in lows]
+    assert [r.status for r in results] == ["succeeded", "succeeded"]
+    assert sorted(r.get("preemptions") or 0 for r in results) == [0, 1]
+    assert all(r.attempts == 1 for r in results)
+    assert handle.worker.stats.preempted == 1
+
+
+def _progressed(handle: Any, count: int) -> bool:
+    return sum(job.progress > 2 for job in list(handle.worker.held.values())) >= count
 
 
 def test_a_cancel_mid_stream_closes_the_upstream_request_within_a_second(
@@ -237,3 +270,35 @@ def test_a_model_the_server_does_not_serve_is_a_configuration_error(
         build_runner(opts)
     with pytest.raises(ConfigurationError, match="needs --upstream"):
         build_runner(WorkerOptions(runner="openai"))
+
+
+def test_the_worker_command_says_what_is_wrong(
+    server: InferenceServer, zkq: Callable[..., Any]
+) -> None:
+    missing = zkq("worker", "--runner", "openai")
+    assert missing.returncode == 7
+    assert "the openai runner needs --upstream URL" in missing.stderr
+    wrong = zkq("worker", "--upstream", server.url, "--upstream-model", "nope")
+    assert wrong.returncode == 7
+    assert "does not serve 'nope'" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+    bad = zkq("worker", "--upstream", "localhost:8000")
+    assert bad.returncode == 7
+    assert "must be an http(s) URL" in bad.stderr
+
+
+def test_a_job_cancelled_as_it_is_handed_in_still_ends_once() -> None:
+    """The cancel reaches the runner's loop before the job's task took its first step (a
+    preemption right after a claim): the task never runs, and the job still ends, once."""
+    runner = UpstreamRunner(UpstreamSettings("http://127.0.0.1:9/v1", model="m"))
+    ended: list[tuple[str, str]] = []
+    runner.start(lambda job, outcome: ended.append((job.id, outcome.status)))
+    try:
+        for i in range(20):
+            job = RunningJob(id=f"j{i}", spec=JobSpec("x"), priority="low", queue="q", attempts=1)
+            runner.submit(job)
+            job.cancel(CancelReason.PREEMPTED)
+        wait_for(lambda: len(ended) == 20, timeout=5, message="every job ended")
+    finally:
+        runner.close()
+    assert sorted(ended) == sorted((f"j{i}", "cancelled") for i in range(20))

@@ -29,7 +29,7 @@ from workers.metrics import WorkerMetrics
 from workers.options import WorkerOptions, default_worker_id, slots_for
 from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
-from workers.runners.gate import Gate, GateState
+from workers.runners.gate import Gate
 from workers.stats import WorkerStats
 from zkqueue import protocol
 from zkqueue.claims import Claim, Claims
@@ -284,9 +284,10 @@ class Worker:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _free_slots(self) -> int:
-        if self.gate is not None and self.gate.state != GateState.OPEN:
-            return 0  # the server has no room (or is down): as if every slot were busy
         free = self.slots - self.busy
+        room = None if self.gate is None else self.gate.room()
+        if room is not None:  # the server's room (0 when it is full or down)
+            free = min(free, room)
         if self.opts.max_jobs is not None:
             free = min(free, self.opts.max_jobs - self._stats.claimed)
         return free
@@ -301,8 +302,7 @@ class Worker:
             self.head.drop_watches()
             if self.line.joined and self.state == State.RUNNING:
                 self._leave_line()  # the gate shut while we stood in the line: let others by
-            engine_up = self.gate is None or self.gate.up
-            if self.state == State.RUNNING and self._room_after() and engine_up:
+            if self.state == State.RUNNING and self._room_after() and self._may_preempt():
                 self._hand_in(self.preemption.turn(self.held))  # every slot busy
             else:
                 self.preemption.leave()
@@ -375,7 +375,7 @@ class Worker:
                 self.state == State.RUNNING
                 and not self.line.joined
                 and self._room_after()
-                and (self.gate is None or self.gate.state == GateState.OPEN)
+                and (self.gate is None or self.gate.room() != 0)
             )
             self.completer.flush(rejoin)
 
@@ -386,10 +386,19 @@ class Worker:
             if job.cancel_reason in (None, CancelReason.CANCELLED):  # its entry is gone
                 self.view.drop(job.claim.priority, job.claim.entry)
 
+    def _may_preempt(self) -> bool:
+        """Behind a server: only while it is up, and full (every slot busy, or its own figures
+        say so), not merely waiting for its next reading."""
+        gate = self.gate
+        if gate is None:
+            return True
+        return gate.up and (self.slots - self.busy <= 0 or gate.server_busy)
+
     def _engine_figures(self) -> None:
         """The server's figures and the gate's state, for the registration's ``engine``."""
         if self.gate is not None:
             self.registry.record.engine = self.gate.record()
+            self.registry.record.runner_info = describe(self.runner)  # a late server's model
 
     def _room_after(self) -> bool:
         return self.opts.max_jobs is None or self._stats.claimed < self.opts.max_jobs

@@ -18,7 +18,6 @@ import httpx
 
 from zkqueue.testing import free_port
 
-
 #: The server's KV cache: blocks of BLOCK_TOKENS positions (16k tokens in all).
 CACHE_BLOCKS = 512
 BLOCK_TOKENS = 32

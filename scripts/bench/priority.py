@@ -2,7 +2,7 @@
 same jobs on an idle one.
 
     .venv/bin/python -m scripts.bench.priority [--workers 1 4] [--lows 300] [--highs 5]
-        [--configs default no-preempt] [--reps N] [--json FILE]
+        [--configs default no-preempt] [--reps N] [--json FILE] [--upstream]
 
 For each worker count and each configuration, fresh ``zkq worker --model`` processes serve a
 fresh queue, on the tiny model (CPU), each with the flags the configuration names:
@@ -17,6 +17,11 @@ The figure is the ratio of the loaded p50 to the idle p50 (the target: at most 2
 the same run of a configuration; with ``--reps N`` every configuration runs N times, the
 configurations taking turns within each repetition, and the summary gives the median ratio and
 each repetition's. ZooKeeper, the workers and this harness share the host's cores.
+
+With ``--upstream`` each worker is the openai runner in front of its own ``transformers serve
+--continuous-batching`` on the tiny model (``zkq worker --upstream URL``), not an in-process
+engine; that server takes no ``ignore_eos``, so the jobs end at the model's end of sequence or
+at ``max_new_tokens`` (the random model rarely stops early).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench.core import stop_processes
+from workers.testing import InferenceServer
 from zkqueue import Client
 from zkqueue.errors import JobTimeout
 from zkqueue.result import Result
@@ -58,9 +64,10 @@ PROMPT = (
 )
 
 
-def spawn_worker(hosts: str, queue: str, model: str, flags: list[str], log: Path) -> Any:
+def spawn_worker(hosts: str, queue: str, engine: list[str], flags: list[str], log: Path) -> Any:
+    """``engine``: ``["--model", DIR]`` or ``["--upstream", URL]``."""
     cmd = [sys.executable, "-m", "zkqueue.cli", "--zk", hosts, "--root", BENCH_ROOT]
-    cmd += ["worker", "--queue", queue, "--model", model, "--no-janitor", *flags]
+    cmd += ["worker", "--queue", queue, *engine, "--no-janitor", *flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = open(log, "a")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -78,8 +85,15 @@ def wait_ready(client: Client, queue: str, count: int, timeout: float = 300.0) -
     raise TimeoutError(f"{count} worker(s) of {queue} not ready in {timeout:.0f}s")
 
 
+#: Whether jobs ask to ignore the end of sequence (not with --upstream: see the docstring).
+IGNORE_EOS = [True]
+
+
 def job_spec(prompt: str, new_tokens: int) -> dict[str, Any]:
-    return {"prompt": prompt, "max_new_tokens": new_tokens, "ignore_eos": True}
+    spec: dict[str, Any] = {"prompt": prompt, "max_new_tokens": new_tokens}
+    if IGNORE_EOS[0]:
+        spec["ignore_eos"] = True
+    return spec
 
 
 def latencies(records: list[Result]) -> list[float]:
@@ -141,8 +155,14 @@ def run_config(
     hosts: str, model: str, workers: int, name: str, args: argparse.Namespace, logs: Path
 ) -> dict[str, Any]:
     queue = f"prio-{name}-{workers}-{int(time.time())}"
+    servers = []
+    if args.upstream:
+        servers = [InferenceServer(model, logs / f"{queue}-serve-{i}.log") for i in range(workers)]
+        for server in servers:
+            server.start()
+    engines = [["--upstream", s.url] for s in servers] or [["--model", model]] * workers
     procs = [
-        spawn_worker(hosts, queue, model, CONFIGS[name], logs / f"{queue}-{i}.log")
+        spawn_worker(hosts, queue, engines[i], CONFIGS[name], logs / f"{queue}-{i}.log")
         for i in range(workers)
     ]
     try:
@@ -161,6 +181,8 @@ def run_config(
             info = [w.get("runner_info") for w in client.workers() if w.get("queue") == queue]
     finally:
         stop_processes(procs, 30)
+        for server in servers:
+            server.stop()
     return {
         "config": name,
         "workers": workers,
@@ -184,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=float, default=2.0, help="seconds between lows and highs")
     parser.add_argument("--reps", type=int, default=1, help="runs of each configuration")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument(
+        "--upstream", action="store_true", help="openai runners, each before a transformers serve"
+    )
     args = parser.parse_args(argv)
+    IGNORE_EOS[0] = not args.upstream
     runs = []
     with tempfile.TemporaryDirectory(prefix="zkq-bench-prio-") as tmp:
         model = str(Path(tmp) / "tiny")

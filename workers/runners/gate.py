@@ -7,11 +7,14 @@ Three things decide:
 * **Slots**, always: the worker holds at most ``--max-concurrency`` jobs (the loop counts them).
 * **The server's own figures**, where it publishes Prometheus metrics at ``/metrics``: the gate
   is open while its waiting queue holds at most ``max_waiting`` requests (default 0) and its
-  KV-cache use is below ``max_kv_use`` (default 0.9). The figures are read a few times a second;
-  after a turn that claimed jobs the gate stays shut until the next reading, so one stale
-  reading admits one turn's jobs at most. Known engines and the names read (counts summed over
-  their label sets, so a server with several engines reads as one; the KV-cache use is the
-  highest of them):
+  KV-cache use is below ``max_kv_use`` (default 0.9). The figures are read four times a second,
+  and each reading lets the worker claim ``allowance`` jobs (16, or half what the server runs
+  if that is more) until the next one: the jobs in the server grow by half per reading at most,
+  so one that fills up takes few jobs beyond its room into its own queue. A reading asked for
+  before the worker's last claims does not renew the allowance (it does not count them yet). A
+  reading that fails while the server answers otherwise shuts the gate until one succeeds.
+  Known engines and the names read (counts summed over their label sets, so a server with
+  several engines reads as one; the KV-cache use is the highest of them):
 
   - vLLM: waiting ``vllm:num_requests_waiting``, running ``vllm:num_requests_running``, KV use
     ``vllm:kv_cache_usage_perc`` (or its older name ``vllm:gpu_cache_usage_perc``);
@@ -44,6 +47,8 @@ from prometheus_client.parser import text_string_to_metric_families
 MAX_WAITING = 0
 #: ... and its KV-cache use is below this fraction.
 MAX_KV_USE = 0.9
+#: Jobs a reading of the server's metrics lets the worker claim at least (see ``allowance``).
+BURST = 16
 
 
 @dataclass(frozen=True)
@@ -125,14 +130,20 @@ class Gate:
     def __init__(self, max_waiting: int = MAX_WAITING, max_kv_use: float = MAX_KV_USE) -> None:
         self.max_waiting = max_waiting
         self.max_kv_use = max_kv_use
-        #: Called (from the runner's thread) when the gate may have opened.
+        #: Called (from the runner's thread) when the gate's state changed.
         self.on_change: Callable[[], None] | None = None
         self._lock = threading.Lock()
         #: Down until the first health check passes: a worker never claims blind.
         self._down: str | None = "not checked yet"
         self._down_since = time.time()
         self._figures: EngineFigures | None = None
-        self._claimed_since_reading = False
+        #: A reading failed after metrics were seen: busy until one succeeds.
+        self._stale = False
+        #: Jobs the worker may still claim before the next reading (None: no metrics, no bound).
+        self._allowance: int | None = None
+        #: When the worker last claimed (monotonic seconds): a reading asked for before that
+        #: does not count those jobs yet, so it does not renew the allowance.
+        self._claimed_at = float("-inf")
         self.downs = 0
 
     # -- what the worker loop asks --------------------------------------------------------------
@@ -147,11 +158,30 @@ class Gate:
         with self._lock:
             return self._down is None
 
+    @property
+    def server_busy(self) -> bool:
+        """Whether the server itself says it is full (not just the claim allowance spent)."""
+        with self._lock:
+            return self._down is None and self._over()
+
+    def room(self) -> int | None:
+        """Jobs the worker may claim now: 0 unless the gate is open; None when no bound but
+        the slots applies (a server without metrics)."""
+        with self._lock:
+            if self._state() != GateState.OPEN:
+                return 0
+            return self._allowance
+
     def claimed(self, jobs: int) -> None:
-        """The worker claimed ``jobs``: with metrics, shut until the next reading counts them."""
+        """The worker claimed ``jobs``: they use up the allowance of the current reading."""
         if jobs > 0:
             with self._lock:
-                self._claimed_since_reading = self._figures is not None
+                before = self._state()
+                self._claimed_at = time.monotonic()
+                if self._allowance is not None:
+                    self._allowance = max(0, self._allowance - jobs)
+                after = self._state()
+            self._changed(before, after)
 
     def record(self) -> dict[str, Any]:
         """The registration's ``engine`` figures."""
@@ -171,23 +201,40 @@ class Gate:
 
     # -- what the runner tells it ---------------------------------------------------------------
 
-    def reading(self, figures: EngineFigures | None) -> None:
-        """A reading of the server's metrics (None: it publishes none)."""
+    def reading(self, figures: EngineFigures | None, asked_at: float | None = None) -> None:
+        """A reading of the server's metrics (None: it publishes none), asked for at
+        ``asked_at`` (monotonic seconds; None: now)."""
+        asked = time.monotonic() if asked_at is None else asked_at
         with self._lock:
             before = self._state()
             self._figures = figures
-            self._claimed_since_reading = False
+            self._stale = False
+            if figures is None:
+                self._allowance = None
+            elif asked >= self._claimed_at:
+                self._allowance = allowance(figures)
+            after = self._state()
+        self._changed(before, after)
+
+    def stale(self) -> None:
+        """A reading failed while the server answers otherwise: busy until one succeeds."""
+        with self._lock:
+            before = self._state()
+            self._stale = self._figures is not None
             after = self._state()
         self._changed(before, after)
 
     def down(self, reason: str) -> bool:
         """The server failed a request or a reading; returns whether it was up until now."""
         with self._lock:
+            before = self._state()
             was_up = self._down is None
             if was_up:
                 self._down = reason
                 self._down_since = time.time()
                 self.downs += 1
+            after = self._state()
+        self._changed(before, after)
         return was_up
 
     def healthy(self) -> None:
@@ -198,20 +245,34 @@ class Gate:
             after = self._state()
         self._changed(before, after)
 
+    def _over(self) -> bool:
+        figures = self._figures
+        if figures is None:
+            return False
+        if self._stale:
+            return True
+        if figures.waiting is not None and figures.waiting > self.max_waiting:
+            return True
+        return figures.kv_use is not None and figures.kv_use >= self.max_kv_use
+
     def _state(self) -> GateState:
         if self._down is not None:
             return GateState.DOWN
-        figures = self._figures
-        if figures is None:
-            return GateState.OPEN
-        if self._claimed_since_reading:
-            return GateState.BUSY
-        if figures.waiting is not None and figures.waiting > self.max_waiting:
-            return GateState.BUSY
-        if figures.kv_use is not None and figures.kv_use >= self.max_kv_use:
+        if self._over() or self._allowance == 0:
             return GateState.BUSY
         return GateState.OPEN
 
     def _changed(self, before: GateState, after: GateState) -> None:
-        if after == GateState.OPEN and before != GateState.OPEN and self.on_change is not None:
+        """Wake the worker on any change: an open gate lets it claim, a shut one makes it
+        leave the line at once."""
+        if after != before and self.on_change is not None:
             self.on_change()
+
+
+def allowance(figures: EngineFigures) -> int:
+    """Jobs one reading lets the worker claim: ``BURST``, or half what the server runs if that
+    is more. Between two readings the jobs in the server can grow by half at most, so a server
+    that fills up takes at most that many beyond its room into its own queue, and an empty
+    one fills within a few readings."""
+    running = int(figures.running or 0)
+    return max(BURST, running // 2)

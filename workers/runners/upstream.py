@@ -158,12 +158,16 @@ class _Answer:
         self.ttft_s: float | None = None
         self.first_token_at: float | None = None
 
-    def add(self, event: dict[str, Any]) -> None:
-        if "error" in event:
-            raise EngineFault(f"the server sent an error mid-stream: {event['error']}")
-        if event.get("usage"):
+    def add(self, event: Any) -> None:
+        if not isinstance(event, dict):
+            raise EngineFault(f"the server sent an event that is not an object: {event!r}"[:300])
+        if event.get("error"):
+            raise EngineFault(f"the server sent an error mid-stream: {event['error']}", down=False)
+        if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                raise EngineFault(f"the server sent a choice that is not an object: {choice!r}")
             piece = choice.get("text")
             if piece is None:
                 piece = (choice.get("delta") or {}).get("content")
@@ -234,7 +238,7 @@ class UpstreamRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[Outcome]] = {}
         self._closing = False
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -250,8 +254,8 @@ class UpstreamRunner:
                 models = http.get(self.settings.base + "/models")
                 self._check_models(models)
                 metrics = http.get(self.settings.root + "/metrics")
-        except httpx.TransportError as exc:
-            log.warning("the server at %s does not answer yet (%s)", self.settings.url, exc)
+        except (httpx.HTTPError, EngineFault, ValueError) as exc:
+            log.warning("the server at %s is not ready yet (%s)", self.settings.url, exc)
             if self.slots is None:
                 detail = "upstream server, not reachable at start"
                 self.slots = Slots(SLOTS_WITHOUT_METRICS, "rule", detail=detail)
@@ -270,7 +274,9 @@ class UpstreamRunner:
             )
         if answer.status_code != 200:
             raise EngineFault(f"/models answered {answer.status_code}")
-        served = [m for m in answer.json().get("data", []) if isinstance(m, dict)]
+        listing = answer.json()
+        data = listing.get("data") if isinstance(listing, dict) else None
+        served = [m for m in data or [] if isinstance(m, dict)]
         names = [str(m.get("id")) for m in served]
         if self.model is None:
             if len(names) != 1:
@@ -288,10 +294,18 @@ class UpstreamRunner:
             if m.get("id") == self.model and m.get("owned_by"):
                 self.owned_by = str(m["owned_by"])
 
-    def _take_metrics(self, answer: httpx.Response) -> None:
+    def _take_metrics(self, answer: httpx.Response, asked_at: float | None = None) -> bool:
+        """Feed a reading to the gate; returns whether it was one. The first answer decides
+        whether the server publishes metrics at all; after that, an answer without figures
+        (a 503 from a proxy, a page cut short) shuts the gate until a reading succeeds."""
         figures = parse_metrics(answer.text) if answer.status_code == 200 else None
-        self.metrics = figures is not None
-        self.gate.reading(figures)
+        if self.metrics is None or not self.metrics:
+            self.metrics = figures is not None
+        elif figures is None:
+            self.gate.stale()
+            return False
+        self.gate.reading(figures, asked_at)
+        return True
 
     def _headers(self) -> dict[str, str]:
         key = self.settings.api_key
@@ -336,7 +350,7 @@ class UpstreamRunner:
         loop, self._closing = self._loop, True
         if loop is None or self._thread is None:
             return
-        with contextlib.suppress(RuntimeError):  # the loop already stopped
+        with contextlib.suppress(RuntimeError, TimeoutError):  # stopped already, or stuck
             asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=5)
         self._thread.join(timeout=5)
 
@@ -367,14 +381,31 @@ class UpstreamRunner:
         asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
 
     def _spawn(self, job: RunningJob) -> None:
-        self._tasks[job.id] = asyncio.get_running_loop().create_task(self._run(job))
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        self._tasks[job.id] = task
+        task.add_done_callback(lambda t: self._ended(job, t))
+
+    def _ended(self, job: RunningJob, task: asyncio.Task[Outcome]) -> None:
+        """Report the job's outcome: exactly once, whatever ended its task. A task cancelled
+        before its first step never ran ``_run``'s body, so its outcome is made here."""
+        self._tasks.pop(job.id, None)
+        if task.cancelled():
+            reason = f"stopped: {job.cancel_reason}"
+            outcome = Outcome(Status.CANCELLED, error=reason)
+        elif (exc := task.exception()) is not None:
+            log.error("upstream runner failed job %s: %r", job.id, exc)
+            outcome = Outcome(Status.FAILED, error=f"runner error: {exc!r}")
+        else:
+            outcome = task.result()
+        assert self._done is not None
+        self._done(job, outcome)
 
     def _cancel(self, job_id: str) -> None:
         task = self._tasks.get(job_id)
         if task is not None:
             task.cancel()
 
-    async def _run(self, job: RunningJob) -> None:
+    async def _run(self, job: RunningJob) -> Outcome:
         started = time.monotonic()
         answer = _Answer(job, started)
         limit = job.spec.max_runtime or self.default_max_runtime
@@ -400,10 +431,7 @@ class UpstreamRunner:
         except Exception as exc:  # a runner bug must fail its job, never kill the worker
             log.exception("upstream runner failed job %s", job.id)
             outcome = Outcome(Status.FAILED, error=f"runner error: {exc!r}")
-        finally:
-            self._tasks.pop(job.id, None)
-        assert self._done is not None
-        self._done(job, outcome)
+        return outcome
 
     async def _stream(self, job: RunningJob, answer: _Answer) -> None:
         assert self._client is not None and self.model is not None
@@ -425,10 +453,12 @@ class UpstreamRunner:
                         break  # leaving closes the request: the server stops generating
         except httpx.TransportError as exc:
             raise EngineFault(f"the server's connection failed: {_describe(exc)}") from exc
+        except httpx.HTTPError as exc:  # an answer that cannot be decoded
+            raise EngineFault(f"the server's answer failed: {_describe(exc)}", False) from exc
         except json.JSONDecodeError as exc:
-            raise EngineFault(f"the server sent an event that is not JSON: {exc}") from exc
+            raise EngineFault(f"the server sent an event that is not JSON: {exc}", False) from exc
         if answer.finish_reason is None:
-            raise EngineFault("the server's stream ended before the answer did")
+            raise EngineFault("the server's stream ended before the answer did", down=False)
 
     async def _monitor(self) -> None:
         """Read the server's metrics while it is up; check its health while it is down."""
@@ -449,45 +479,54 @@ class UpstreamRunner:
                 log.exception("reading the server's state failed")
                 await asyncio.sleep(POLL_S)
 
-    async def _read_metrics(self) -> None:
+    async def _read_metrics(self) -> bool:
+        """One reading of the server's metrics; returns whether the server answered."""
         assert self._client is not None
+        asked_at = time.monotonic()
         try:
             reply = await self._client.get(self.settings.root + "/metrics")
         except httpx.TransportError as exc:
             self._went_down(f"reading /metrics failed: {_describe(exc)}")
-            return
-        self._take_metrics(reply)
+            return False
+        self._take_metrics(reply, asked_at)
+        return True
 
     async def _check_health(self) -> None:
+        """``/health`` (or ``/v1/models`` where there is none) answers 200; while the engine
+        is down, also ``/v1/models`` with our key lists our model (a key refused or a model
+        unloaded took it down as surely as a crash)."""
         assert self._client is not None
-        root = self.settings.root
+        down = not self.gate.up
         try:
-            reply = await self._client.get(root + "/health")
+            reply = await self._client.get(self.settings.root + "/health")
             if reply.status_code == 404:
                 reply = await self._client.get(self.settings.base + "/models")
-            if reply.status_code == 200 and self.model is None:
-                await self._late_probe()
-        except httpx.TransportError as exc:
+            if reply.status_code == 200 and (down or self.model is None):
+                await self._check_serving()
+        except httpx.HTTPError as exc:
             self._went_down(f"the health check failed: {_describe(exc)}")
+            return
+        except (ConfigurationError, EngineFault, ValueError) as exc:
+            self._went_down(str(exc))
             return
         if reply.status_code != 200:
             self._went_down(f"the health check answered {reply.status_code}")
             return
-        if self.model is None:
-            return  # it serves no model we can name (logged): stay down
-        if not self.gate.up:
+        if self.metrics is None and not await self._read_metrics():
+            return
+        if down:
             log.info("engine up: the server at %s answers its health check", self.settings.url)
-        if self.metrics is None:
-            await self._read_metrics()
         self.gate.healthy()
 
-    async def _late_probe(self) -> None:
-        """A server that was down at start: ask what it serves, once it answers."""
+    async def _check_serving(self) -> None:
+        """``/v1/models``, with our key, lists our model (and names it, for a server that was
+        down when the worker started)."""
         assert self._client is not None
         try:
             self._check_models(await self._client.get(self.settings.base + "/models"))
-        except (ConfigurationError, EngineFault) as exc:
+        except ConfigurationError as exc:
             log.error("%s", exc)
+            raise
 
     def _went_down(self, reason: str) -> None:
         if self.gate.down(reason):
@@ -502,6 +541,8 @@ def _refused(reply: httpx.Response) -> None:
         raise EngineFault(f"the server answered {status}: {message}")
     if status in (408, 429):
         raise EngineFault(f"the server answered {status}: {message}", down=False)
+    if status in (401, 403, 404):  # the key or the model, not this job: down until it serves
+        raise EngineFault(f"the server answered {status}: {message}")
     raise JobRefused(f"the server refused the job ({status}): {message}")
 
 
