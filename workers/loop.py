@@ -132,7 +132,8 @@ class Worker:
             heartbeat_interval=opts.heartbeat_interval,
         )
         #: The dispatch gate of a runner in front of an inference server (None: slots alone).
-        self.gate: Gate | None = getattr(runner, "gate", None)
+        gate = getattr(runner, "gate", None)
+        self.gate: Gate | None = gate if isinstance(gate, Gate) else None
         if self.gate is not None:
             self.gate.on_change = lambda: self._post(Event.WAKE)
         self._drain_deadline: float | None = None
