@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from workers.tinymodel import build_tokenizer
+from workers.tinymodel import build_tokenizer, model_config
 from zkqueue import Client
 from zkqueue.testing import ZkCluster, free_port
 
@@ -42,17 +42,11 @@ QUEUE = "vllm-check"
 
 def write_model(path: Path) -> Path:
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    config = model_config(
+        tokenizer,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     model: Any = LlamaForCausalLM(config)

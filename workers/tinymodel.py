@@ -54,7 +54,7 @@ def write_tiny_model(directory: str | Path, *, seed: int = 0) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = _config(tokenizer)
+    config = model_config(tokenizer)
     model = _random_model(config, seed)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -93,20 +93,26 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+def model_config(tokenizer: PreTrainedTokenizerFast, **shape: Any) -> LlamaConfig:
+    """The tiny model's Llama config for ``tokenizer``; ``shape`` overrides its sizes (a GPU
+    check needs attention heads of 64 dimensions, which some kernels require)."""
+    sizes: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": CONTEXT_LENGTH,
+        **shape,
+    }
     return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT_LENGTH,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **sizes,
     )
 
 
