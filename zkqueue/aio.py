@@ -22,18 +22,17 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.interfaces import IAsyncResult
 
 from zkqueue import counts, defaults, protocol
 from zkqueue.aiojob import AsyncJob
-from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
-from zkqueue.enqueue import Enqueuer
+from zkqueue.clientbase import ClientBase, ClientOptions
+from zkqueue.connection import close, connect, mapped_errors
 from zkqueue.errors import ZkqConnectionError
-from zkqueue.layout import Layout, check_priority, check_queue, new_job_id
+from zkqueue.layout import check_priority, check_queue, new_job_id
 from zkqueue.limits import QueueSettings, check_counts
 from zkqueue.spec import build_spec
 
@@ -71,44 +70,25 @@ def _settle(fut: asyncio.Future[Any], call: IAsyncResult) -> None:
         fut.set_exception(call.exception)
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """A connection to one zkq root for asyncio code. Use ``async with``, or ``await start()``
     and ``await close()``. Every ZooKeeper call is bounded by ``connect_timeout``: a session
     that cannot reach the ensemble fails with ZkqConnectionError instead of hanging."""
+
+    NOT_STARTED = "client is not started: use it with 'async with'"
 
     def __init__(
         self,
         hosts: str = defaults.HOSTS,
         root: str = defaults.ROOT,
         *,
-        session_timeout: float = defaults.SESSION_TIMEOUT,
-        connect_timeout: float = defaults.CONNECT_TIMEOUT,
-        max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
-        signal_spec_bytes: int = defaults.SIGNAL_SPEC_BYTES,
-        auth: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        zk: KazooClient | None = None,
         blocking_threads: int = 16,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        self.settings = ConnectionSettings(
-            hosts=hosts,
-            session_timeout=session_timeout,
-            connect_timeout=connect_timeout,
-            auth=auth,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-        )
-        self.layout = Layout(root)
-        self.max_spec_bytes = max_spec_bytes
-        self._zk = zk
-        self._owns_zk = zk is None
+        """``options`` as ``Client`` takes them (``zkqueue.clientbase.ClientOptions``)."""
+        super().__init__(hosts, root, **options)
         self._bridge: Bridge | None = None
-        self._ready: set[str] = set()
         self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
-        self._enqueue = Enqueuer(self, signal_limit=signal_spec_bytes)
         #: The few blocking calls (connecting, a queue's first use, creating an entry exactly
         #: once, backpressure counts) run on threads of this client's own, never on the event
         #: loop's default executor: an application that fills that one must not stall zkq.
@@ -151,12 +131,6 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    @property
-    def zk(self) -> KazooClient:
-        if self._zk is None:
-            raise ZkqConnectionError("client is not started: use it with 'async with'")
-        return self._zk
 
     @property
     def bridge(self) -> Bridge:

@@ -7,23 +7,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from zkqueue import counts, defaults, listing, lookup, protocol
+from zkqueue.clientbase import ClientBase
 from zkqueue.connection import (
-    ConnectionSettings,
     close,
     connect,
     mapped_errors,
     read_through_loss,
 )
 from zkqueue.deadletters import dead_result, list_dead, purge, requeue
-from zkqueue.enqueue import Enqueuer
-from zkqueue.errors import InvalidJob, JobNotFound, ZkqConnectionError
+from zkqueue.errors import InvalidJob, JobNotFound
 from zkqueue.job import Job
 from zkqueue.layout import (
-    Layout,
     check_job_id,
     check_new_job_id,
     check_priority,
@@ -38,41 +35,13 @@ from zkqueue.registry import read_records
 from zkqueue.spec import build_spec, parse_submission
 
 
-class Client:
-    """A connection to one zkq root. Use as a context manager, or call start() and close()."""
+class Client(ClientBase):
+    """A connection to one zkq root. Use as a context manager, or call start() and close().
+    ``Client(hosts, root, **options)``: the options are ``zkqueue.clientbase.ClientOptions``."""
 
-    def __init__(
-        self,
-        hosts: str = defaults.HOSTS,
-        root: str = defaults.ROOT,
-        *,
-        session_timeout: float = defaults.SESSION_TIMEOUT,
-        connect_timeout: float = defaults.CONNECT_TIMEOUT,
-        max_spec_bytes: int = defaults.MAX_SPEC_BYTES,
-        signal_spec_bytes: int = defaults.SIGNAL_SPEC_BYTES,
-        auth: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        zk: KazooClient | None = None,
-    ) -> None:
-        self.settings = ConnectionSettings(
-            hosts=hosts,
-            session_timeout=session_timeout,
-            connect_timeout=connect_timeout,
-            auth=auth,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-        )
-        self.layout = Layout(root)
-        self.max_spec_bytes = max_spec_bytes
-        self._zk = zk
-        self._owns_zk = zk is None
-        self._ready: set[str] = set()
-        self._protocol_checked = False
-        self._limits: Limits | None = None
-        self._enqueue = Enqueuer(self, signal_limit=signal_spec_bytes)
+    #: Whether this client has checked the root's layout version (once per client).
+    _protocol_checked = False
+    _limits: Limits | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -91,12 +60,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def zk(self) -> KazooClient:
-        if self._zk is None:
-            raise ZkqConnectionError("client is not started: use it as a context manager")
-        return self._zk
 
     @property
     def limits(self) -> Limits:
