@@ -75,15 +75,8 @@ class AsyncJob(JobPaths):
         detach: bool = True,
         owned: bool = False,
     ) -> None:
-        self.client = client
-        self.id = job_id
-        self.queue = queue
-        self.priority = priority
-        self.entry = entry
-        self.detach = detach
-        self.owned = owned
+        super().__init__(client, job_id, queue, priority, entry, detach=detach, owned=owned)
         self.record: Result | None = None
-        self._result_size = 0
         self._wake = asyncio.Event()
         self._fired: set[str] = set()
 

@@ -68,20 +68,13 @@ class Job(JobPaths):
         owned: bool = False,
         result: Result | None = None,
     ) -> None:
-        self.client = client
-        self.id = job_id
-        self.queue = queue
-        self.priority = priority
-        self.entry = entry
-        self.detach = detach
-        self.owned = owned
+        super().__init__(client, job_id, queue, priority, entry, detach=detach, owned=owned)
         #: Submitted with a job id that was already known: this handle is the earlier job's.
         self.existing = False
         #: Keep an attached result once read (by default the caller consumes it).
         self.keep_result = False
         self._withdrawn = False
         self._result = result
-        self._result_size = 0
         #: Set by this handle's one watch callable (kazoo keeps watchers in sets: re-arming the
         #: same callable never stacks, and it can be taken back when the wait ends).
         self._fired = threading.Event()

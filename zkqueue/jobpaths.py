@@ -18,13 +18,29 @@ WITHDRAWN = "withdrawn"
 class JobPaths:
     """Where a job's nodes are, for both producer faces (``Job`` and ``aiojob.AsyncJob``)."""
 
-    client: Any
-    id: str
-    queue: str
-    priority: str
-    entry: str | None
-    owned: bool
-    detach: bool
+    def __init__(
+        self,
+        client: Any,
+        job_id: str,
+        queue: str,
+        priority: str,
+        entry: str | None = None,
+        *,
+        detach: bool = True,
+        owned: bool = False,
+    ) -> None:
+        """The job's identity, the same for both faces: its client, id, queue, priority and
+        entry (None until found); ``detach``: submitted detached; ``owned``: the submitter's
+        handle (only it withdraws an attached request, and consumes an attached result)."""
+        self.client = client
+        self.id = job_id
+        self.queue = queue
+        self.priority = priority
+        self.entry = entry
+        self.detach = detach
+        self.owned = owned
+        #: Bytes of the result record as read (for the consumer's accounting).
+        self._result_size = 0
 
     def __repr__(self) -> str:
         name, fields = type(self).__name__, (self.id, self.queue, self.priority)
