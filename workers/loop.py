@@ -31,7 +31,7 @@ from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from workers.runners.gate import Gate
 from workers.stats import WorkerStats
-from zkqueue import protocol
+from zkqueue import revision
 from zkqueue.claims import Claim, Claims
 from zkqueue.connection import TRANSIENT
 from zkqueue.layout import Layout, check_queue
@@ -168,8 +168,8 @@ class Worker:
             self._shutdown()
 
     def start(self) -> None:
-        protocol.ensure(self.zk, self.layout)
-        protocol.ensure_dirs(self.zk, self.layout, self.queue)
+        revision.ensure(self.zk, self.layout)
+        revision.ensure_dirs(self.zk, self.layout, self.queue)
         self.zk.add_listener(self._on_state)
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()
@@ -346,7 +346,7 @@ class Worker:
         """The queue was deleted under us: make it again, re-read all (the watches went too)."""
         log.warning("queue %s was deleted under this worker: creating it again", self.queue)
         # Every directory missing (a delete under way may have left the completeness marker).
-        protocol.ensure_dirs(self.zk, self.layout, self.queue, all_of=True)
+        revision.ensure_dirs(self.zk, self.layout, self.queue, all_of=True)
         self.view.forget_watches()
 
     def _sweep(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, Unpack
 from kazoo.exceptions import NoNodeError
 from kazoo.interfaces import IAsyncResult
 
-from zkqueue import counts, defaults, protocol
+from zkqueue import counts, defaults, revision
 from zkqueue.aiojob import AsyncJob
 from zkqueue.clientbase import ClientBase, ClientOptions
 from zkqueue.connection import close, connect, mapped_errors
@@ -43,7 +43,7 @@ T = TypeVar("T")
 __all__ = ["AsyncClient", "AsyncJob"]
 
 
-class Bridge:
+class Handoff:
     """Hands kazoo's completions and watch events (on kazoo's threads) to one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -87,7 +87,7 @@ class AsyncClient(ClientBase):
     ) -> None:
         """``options`` as ``Client`` takes them (``zkqueue.clientbase.ClientOptions``)."""
         super().__init__(hosts, root, **options)
-        self._bridge: Bridge | None = None
+        self._handoff: Handoff | None = None
         self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
         #: The few blocking calls (connecting, a queue's first use, creating an entry exactly
         #: once, backpressure counts) run on threads of this client's own, never on the event
@@ -108,7 +108,7 @@ class AsyncClient(ClientBase):
 
     async def start(self) -> AsyncClient:
         """Connect (kazoo's handshake runs on a worker thread once) and bind to this loop."""
-        self._bridge = Bridge(asyncio.get_running_loop())
+        self._handoff = Handoff(asyncio.get_running_loop())
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._blocking_threads, thread_name_prefix="zkq-aio")
         if self._zk is None:
@@ -133,10 +133,10 @@ class AsyncClient(ClientBase):
         await self.close()
 
     @property
-    def bridge(self) -> Bridge:
-        if self._bridge is None:
+    def handoff(self) -> Handoff:
+        if self._handoff is None:
             raise ZkqConnectionError("client is not started: use it with 'async with'")
-        return self._bridge
+        return self._handoff
 
     @property
     def started(self) -> bool:
@@ -155,7 +155,7 @@ class AsyncClient(ClientBase):
         limit = self.settings.connect_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(limit):
-                return await self.bridge.future(call)
+                return await self.handoff.future(call)
         except TimeoutError:
             raise ZkqConnectionError(
                 f"ZooKeeper at {self.settings.hosts} did not answer within {limit:g}s"
@@ -202,8 +202,8 @@ class AsyncClient(ClientBase):
         self._ready.add(queue)
 
     def _ensure_queue(self, queue: str) -> None:
-        protocol.ensure(self.zk, self.layout)
-        protocol.ensure_dirs(self.zk, self.layout, queue)
+        revision.ensure(self.zk, self.layout)
+        revision.ensure_dirs(self.zk, self.layout, queue)
 
     async def waiting(self, queue: str) -> int:
         """Jobs of a queue not yet started: entries minus claims (child counts of the pending

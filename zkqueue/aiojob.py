@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from zkqueue.layout import Layout
 
 
-class Bridged(Protocol):
+class LoopClient(Protocol):
     """What an AsyncJob needs of its client (``zkqueue.aio.AsyncClient`` is one)."""
 
     layout: Layout
@@ -45,7 +45,7 @@ class Bridged(Protocol):
     def zk(self) -> KazooClient: ...
 
     @property
-    def bridge(self) -> Any: ...
+    def handoff(self) -> Any: ...
 
     async def wait(self, call: IAsyncResult, timeout: float | None = None) -> Any: ...
 
@@ -66,7 +66,7 @@ class AsyncJob(JobPaths):
 
     def __init__(
         self,
-        client: Bridged,
+        client: LoopClient,
         job_id: str,
         queue: str,
         priority: str,
@@ -195,7 +195,7 @@ class AsyncJob(JobPaths):
 
     def _watch(self, event: WatchedEvent) -> None:
         """Runs on kazoo's thread; one bound method per job, so kazoo keeps one watcher."""
-        self.client.bridge.call(self._fire, event.path)
+        self.client.handoff.call(self._fire, event.path)
 
     def _fire(self, path: str) -> None:
         self._fired.add(path)

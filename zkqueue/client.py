@@ -9,7 +9,7 @@ from typing import Any
 
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import counts, defaults, listing, lookup, protocol
+from zkqueue import counts, defaults, listing, lookup, revision
 from zkqueue.clientbase import ClientBase
 from zkqueue.connection import (
     close,
@@ -75,7 +75,7 @@ class Client(ClientBase):
     def check_protocol(self) -> None:
         """Refuse a root written by another layout version (once per client)."""
         if not self._protocol_checked:
-            protocol.ensure(self.zk, self.layout)
+            revision.ensure(self.zk, self.layout)
             self._protocol_checked = True
 
     def ensure_queue(self, queue: str) -> None:
@@ -84,7 +84,7 @@ class Client(ClientBase):
         if queue in self._ready:
             return
         self.check_protocol()
-        protocol.ensure_dirs(self.zk, self.layout, queue)
+        revision.ensure_dirs(self.zk, self.layout, queue)
         self._ready.add(queue)
 
     # -- producing ---------------------------------------------------------------------------

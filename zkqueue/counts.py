@@ -95,11 +95,6 @@ def results(zk: KazooClient, layout: Layout, queue: str) -> int:
     return sum(s.numChildren for c in calls if (s := c.get()) is not None)
 
 
-def children(zk: KazooClient, path: str) -> int:
-    stat = zk.exists(path)
-    return stat.numChildren if stat is not None else 0
-
-
 def bucket_entries(
     zk: KazooClient, layout: Layout, queue: str, priority: str, bucket: int
 ) -> list[EntryName]:

@@ -24,7 +24,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 
-from zkqueue import arrival, claims, defaults, protocol
+from zkqueue import arrival, claims, defaults, revision
 from zkqueue.connection import ConnectionSettings, read_through_loss
 from zkqueue.errors import ConfigurationError, ZkqConnectionError
 from zkqueue.layout import Layout
@@ -97,7 +97,7 @@ class Enqueuer:
                 found = read_tail(self._zk(), self.layout, queue, priority)
             except NoNodeError:  # the queue was deleted since this client made it: again
                 # (every directory: a delete under way may have left the others)
-                protocol.ensure_dirs(self._zk(), self.layout, queue, all_of=True)
+                revision.ensure_dirs(self._zk(), self.layout, queue, all_of=True)
                 found = read_tail(self._zk(), self.layout, queue, priority)
             self._tails[(queue, priority)] = found
         return found

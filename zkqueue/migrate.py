@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from zkqueue import claims, defaults, protocol
+from zkqueue import claims, defaults, revision
 from zkqueue.errors import ConfigurationError
 from zkqueue.layout import PROTOCOL_VERSION, EntryName, Layout, child, parse_bucket
 from zkqueue.nodes import Ticks, children
@@ -40,11 +40,11 @@ def migrate(
 ) -> MigrationReport:
     """Move every queue of a version 1 root to version 2 (a version 2 root: nothing to do)."""
     report = MigrationReport()
-    version = protocol.read_version(zk, layout)
+    version = revision.read_version(zk, layout)
     if version == PROTOCOL_VERSION:
         return report
     if version not in (None, 1):
-        raise ConfigurationError(protocol.mismatch(layout, version))
+        raise ConfigurationError(revision.mismatch(layout, version))
     try:
         queues = sorted(zk.get_children(layout.queues()))
     except NoNodeError:
@@ -73,7 +73,7 @@ def _migrate_queue(
 ) -> None:
     ticks = Ticks()
     flat_results = [n for n in children(zk, layout.results(queue)) if len(n) != 2]
-    protocol.ensure_dirs(zk, layout, queue)
+    revision.ensure_dirs(zk, layout, queue)
     for priority in defaults.PRIORITIES:
         _move_entries(zk, layout, queue, priority, bucket_size, report)
     for job_id in flat_results:

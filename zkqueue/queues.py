@@ -10,7 +10,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
-from zkqueue import claims, counts, defaults, nodes, protocol
+from zkqueue import claims, counts, defaults, nodes, revision
 from zkqueue.errors import JobNotFound, QueueBusy
 from zkqueue.layout import Layout, child
 from zkqueue.limits import QueueSettings
@@ -124,13 +124,13 @@ def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) ->
             with contextlib.suppress(NoNodeError):
                 zk.delete(path)
     except NotEmptyError:
-        protocol.ensure_dirs(zk, layout, queue, all_of=True)
+        revision.ensure_dirs(zk, layout, queue, all_of=True)
         raise QueueBusy(
             f"queue {queue!r} was made again while it was being deleted (a producer or worker "
             "used it); it stays"
         ) from None
     except QueueBusy:
-        protocol.ensure_dirs(zk, layout, queue, all_of=True)  # what went before the job came
+        revision.ensure_dirs(zk, layout, queue, all_of=True)  # what went before the job came
         raise
     return stats
 

@@ -184,7 +184,7 @@ class Bench:
     def client(self, root: str) -> Client:
         return Client(root=root, zk=self.zk)
 
-    def children(self, path: str) -> int:
+    def child_count(self, path: str) -> int:
         stat = self.zk.exists(path)
         return stat.numChildren if stat is not None else 0
 

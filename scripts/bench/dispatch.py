@@ -105,7 +105,7 @@ def lq_run(bench: Bench, procs: int, mode: str, n: int) -> dict[str, Any]:
     entries = f"{path}/entries"
 
     def drained() -> bool:
-        return bench.children(entries) == 0
+        return bench.child_count(entries) == 0
 
     run = _Run(bench, agents, drained, n)
     if mode == "prefill":
@@ -113,7 +113,7 @@ def lq_run(bench: Bench, procs: int, mode: str, n: int) -> dict[str, Any]:
     else:
         call_all(agents, "go")
         run.start_producer("produce_lq", path=path, n=n)
-    row = run.finish(done=lambda: n - bench.children(entries))
+    row = run.finish(done=lambda: n - bench.child_count(entries))
     stopped = call_all(agents, "stop")
     row["consumed"] = sum(s.get("consumed", 0) for s in stopped)
     row.update(system="LockingQueue", procs=procs, slots=1, mode=mode, root=path)

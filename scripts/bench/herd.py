@@ -40,11 +40,11 @@ def _herd_zkq(bench: Bench, size: int) -> dict[str, Any]:
     call_all(agents, "zkq_start", root=root, queue=QUEUE, slots=1)
     call_all(agents, "go")
     line = client.layout.line(QUEUE)
-    wait_until(lambda: bench.children(line) == size, 30)
+    wait_until(lambda: bench.child_count(line) == size, 30)
 
     def one_job() -> None:
         client.submit(PROMPT, queue=QUEUE).result(timeout=10)
-        wait_until(lambda: bench.children(line) == size, 10, 0.002)
+        wait_until(lambda: bench.child_count(line) == size, 10, 0.002)
 
     row = _herd_measure(bench, agents, one_job)
     call_all(agents, "stop")
@@ -64,7 +64,7 @@ def _herd_lq(bench: Bench, size: int) -> dict[str, Any]:
     def one_job() -> None:
         lq.put(b'{"prompt": "benchmark job number 0"}')
         wait_until(
-            lambda: bench.children(f"{path}/entries") + bench.children(f"{path}/taken") == 0,
+            lambda: bench.child_count(f"{path}/entries") + bench.child_count(f"{path}/taken") == 0,
             10,
             0.002,
         )

@@ -105,7 +105,7 @@ def run_latency(bench: Bench, log: Log) -> dict[str, Any]:
     agent.call("zkq_start", root=root, queue=QUEUE, slots=1)
     agent.call("go")
     line = client.layout.line(QUEUE)
-    wait_until(lambda: bench.children(line) == 1, 10)
+    wait_until(lambda: bench.child_count(line) == 1, 10)
     creates, jobs, dispatch, run, notify = [], [], [], [], []
     deadline = time.monotonic() + 60
     for _ in range(bench.config.latency_samples):
@@ -121,7 +121,7 @@ def run_latency(bench: Bench, log: Log) -> dict[str, Any]:
         dispatch.append((record.started_at or 0) - (record.submitted_at or wall))
         run.append((record.finished_at or 0) - (record.started_at or 0))
         notify.append(end - (record.finished_at or end))
-        wait_until(lambda: bench.children(line) == 1, 5, 0.001)
+        wait_until(lambda: bench.child_count(line) == 1, 5, 0.001)
     agent.call("stop")
     out: dict[str, Any] = {
         "samples": len(jobs),

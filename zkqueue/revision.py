@@ -1,7 +1,7 @@
-"""The layout version of a root: ``<root>/protocol`` holds it (``"2"``). A root without the marker
-and without queues is new (the marker is written); one with queues but no marker was written by
-version 1 (flat pending and results directories) and is refused, never misread: ``zkq migrate``
-moves it."""
+"""The protocol revision of a root (the version of its znode layout): ``<root>/protocol`` holds
+it (``"2"``). A root without the marker and without queues is new (the marker is written); one
+with queues but no marker was written by revision 1 (flat pending and results directories) and is
+refused, never misread: ``zkq migrate`` moves it."""
 
 from __future__ import annotations
 
