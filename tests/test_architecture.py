@@ -35,6 +35,10 @@ OPTIONAL = {
 }
 #: The one module that builds ZooKeeper multis.
 TRANSITIONS = "zkqueue.claims"
+#: Modules of zkq that ``import zkqueue`` loads in a row at most (the longest chain of
+#: module-level imports from the package's face, faces not counted): a reader follows the public
+#: API down to its bottom in a few files, and the library loads only what it needs.
+MAX_IMPORT_CHAIN = 6
 #: Lines of code a module holds at most: docstrings, comments and blank lines do not count, so
 #: the limit guides how much a module does and never costs a sentence of documentation.
 MAX_CODE_LINES = 500
@@ -199,6 +203,44 @@ def layout_lines(readme: str) -> set[str]:
     return set(re.findall(r"^\s{4}([\w/]+\.py)\b", section, re.MULTILINE))
 
 
+def load_time_edges(mods: list[Module]) -> dict[str, set[str]]:
+    """Module -> project modules it imports when it loads: module-level imports only (not
+    function-local ones, nor those under ``if TYPE_CHECKING:``), package faces resolved to
+    the modules they name."""
+    known = {m.name for m in mods}
+    edges: dict[str, set[str]] = {}
+    for m in mods:
+        names = set()
+        for node in m.tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:  # ``from pkg import mod`` loads mod
+                    name = f"{node.module}.{alias.name}"
+                    names.add(name if name in known else node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        edges[m.name] = {n for n in names if n in known and n != m.name}
+    return edges
+
+
+def longest_chain(edges: dict[str, set[str]], start: str) -> list[str]:
+    """The longest import path from ``start`` (the graph has no cycle: checked apart)."""
+    memo: dict[str, list[str]] = {}
+
+    def walk(name: str) -> list[str]:
+        if name not in memo:
+            below = [walk(n) for n in sorted(edges.get(name, ()))]
+            memo[name] = [name, *max(below, key=len, default=[])]
+        return memo[name]
+
+    return walk(start)
+
+
+def faces(chain: list[str], mods: list[Module]) -> list[str]:
+    """The chain without package faces (``__init__`` modules)."""
+    packages = {m.name for m in mods if m.path.name == "__init__.py"}
+    return [name for name in chain if name not in packages]
+
+
 def shipped(root: Path) -> list[Module]:
     return list(modules(root, {p for p in LAYERS if (root / p).is_dir()}))
 
@@ -221,6 +263,12 @@ def test_no_import_cycle() -> None:
 
 def test_every_multi_is_built_in_the_transitions_module() -> None:
     assert multis_outside_transitions(shipped(ROOT)) == []
+
+
+def test_import_zkqueue_loads_a_short_chain() -> None:
+    mods = shipped(ROOT)
+    chain = faces(longest_chain(load_time_edges(mods), "zkqueue"), mods)
+    assert len(chain) <= MAX_IMPORT_CHAIN, " -> ".join(chain)
 
 
 def test_no_module_over_the_size_limit() -> None:
@@ -277,6 +325,23 @@ def test_rules_catch_a_bad_tree(bad_tree: Path) -> None:
     assert cycles(project_edges(bad_tree, mods)) == [["workers.loop", "zkqueue.a", "zkqueue.b"]]
     assert multis_outside_transitions(mods) == ["zkqueue.c:4"]
     assert oversized(bad_tree, {"zkqueue", "workers"}) == ["zkqueue/c.py: 502 lines of code"]
+
+
+def test_the_chain_rule_counts_load_time_imports_only(tmp_path: Path) -> None:
+    tree = write(
+        tmp_path,
+        {
+            "zkqueue/__init__.py": "from zkqueue.a import A\n",
+            "zkqueue/a.py": "from zkqueue import b\n",
+            "zkqueue/b.py": "from zkqueue.c import C\nif TYPE_CHECKING:\n    import zkqueue.d\n",
+            "zkqueue/c.py": "def f():\n    from zkqueue import d\n",
+            "zkqueue/d.py": "",
+        },
+    )
+    mods = shipped(tree)
+    chain = longest_chain(load_time_edges(mods), "zkqueue")
+    assert chain == ["zkqueue", "zkqueue.a", "zkqueue.b", "zkqueue.c"]
+    assert faces(chain, mods) == ["zkqueue.a", "zkqueue.b", "zkqueue.c"]
 
 
 def test_code_lines_leave_out_docstrings_comments_and_blanks() -> None:

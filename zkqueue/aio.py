@@ -31,6 +31,7 @@ from zkqueue import counts, defaults, revision
 from zkqueue.aiojob import AsyncJob
 from zkqueue.clientbase import ClientBase, ClientOptions
 from zkqueue.connection import close, connect, mapped_errors
+from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import ZkqConnectionError
 from zkqueue.layout import check_priority, check_queue, new_job_id
 from zkqueue.limits import QueueSettings, check_counts
@@ -87,6 +88,7 @@ class AsyncClient(ClientBase):
     ) -> None:
         """``options`` as ``Client`` takes them (``zkqueue.clientbase.ClientOptions``)."""
         super().__init__(hosts, root, **options)
+        self._enqueue = Enqueuer(self, signal_limit=self.signal_spec_bytes)
         self._handoff: Handoff | None = None
         self._queue_settings: dict[str, tuple[float, QueueSettings]] = {}
         #: The few blocking calls (connecting, a queue's first use, creating an entry exactly

@@ -5,12 +5,12 @@ from __future__ import annotations
 import builtins
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Unpack
 
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import counts, defaults, listing, lookup, revision
-from zkqueue.clientbase import ClientBase
+from zkqueue import counts, defaults, listing, revision
+from zkqueue.clientbase import ClientBase, ClientOptions
 from zkqueue.connection import (
     close,
     connect,
@@ -18,8 +18,9 @@ from zkqueue.connection import (
     read_through_loss,
 )
 from zkqueue.deadletters import dead_result, list_dead, purge, requeue
+from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import InvalidJob, JobNotFound
-from zkqueue.job import Job
+from zkqueue.job import Job, claimed_entry, find_job, known_jobs
 from zkqueue.layout import (
     check_job_id,
     check_new_job_id,
@@ -42,6 +43,15 @@ class Client(ClientBase):
     #: Whether this client has checked the root's layout version (once per client).
     _protocol_checked = False
     _limits: Limits | None = None
+
+    def __init__(
+        self,
+        hosts: str = defaults.HOSTS,
+        root: str = defaults.ROOT,
+        **options: Unpack[ClientOptions],
+    ) -> None:
+        super().__init__(hosts, root, **options)
+        self._enqueue = Enqueuer(self, signal_limit=self.signal_spec_bytes)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -180,7 +190,7 @@ class Client(ClientBase):
     ) -> dict[tuple[str, str], Job]:
         for q in {p[1] for p in prepared}:
             self.ensure_queue(q)
-        return lookup.known_jobs(self, chosen)
+        return known_jobs(self, chosen)
 
     def _check_room_many(self, fresh: list[tuple[str, str, str, bytes]]) -> None:
         for q in {p[1] for p in fresh}:
@@ -211,7 +221,7 @@ class Client(ClientBase):
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
         """The entry name (``<bucket>/<id>-<seq>``) of a job in one priority: a running job's
         from its claim, else by listing the priority's buckets newest first."""
-        running = lookup.claimed_entry(self, queue, job_id)
+        running = claimed_entry(self, queue, job_id)
         if running is not None:
             prio, _, name = running.partition("/")
             if prio == priority:
@@ -221,7 +231,7 @@ class Client(ClientBase):
     def find_job(self, queue: str, job_id: str) -> Job | None:
         """A job by id in one queue: its result, its claim (running) or its entry."""
         self.check_protocol()
-        return lookup.find_job(self, queue, job_id)
+        return find_job(self, queue, job_id)
 
     def job(self, job_id: str, queue: str | None = None) -> Job:
         """Find a job by id in one queue, or in every queue when ``queue`` is None."""

@@ -10,7 +10,6 @@ from kazoo.client import KazooClient
 
 from zkqueue import defaults
 from zkqueue.connection import ConnectionSettings
-from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import ZkqConnectionError
 from zkqueue.layout import Layout
 
@@ -38,8 +37,9 @@ class ClientOptions(TypedDict, total=False):
 
 class ClientBase:
     """A connection to one zkq root, not yet started: its settings, its layout, the largest
-    spec it submits, its session (its own, made at start, or ``zk``, shared), the queues it
-    has made ready and the enqueuer that creates its entries."""
+    spec it submits, its session (its own, made at start, or ``zk``, shared) and the queues it
+    has made ready. Each face makes its enqueuer (``zkqueue.enqueue``) with
+    ``signal_spec_bytes``: the base does not import it, which keeps ``import zkqueue`` short."""
 
     #: How a face tells its user to start it.
     NOT_STARTED = "client is not started: use it as a context manager"
@@ -65,8 +65,8 @@ class ClientBase:
         self._owns_zk = self._zk is None
         #: Queues whose directories this client has made sure of.
         self._ready: set[str] = set()
-        signal_limit = options.get("signal_spec_bytes", defaults.SIGNAL_SPEC_BYTES)
-        self._enqueue = Enqueuer(self, signal_limit=signal_limit)
+        #: Specs up to this size ride in the arrival signal (each face's enqueuer reads it).
+        self.signal_spec_bytes = options.get("signal_spec_bytes", defaults.SIGNAL_SPEC_BYTES)
 
     @property
     def zk(self) -> KazooClient:

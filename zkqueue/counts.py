@@ -10,7 +10,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import defaults, nodes
+from zkqueue import defaults
 from zkqueue.errors import InvalidJob
 from zkqueue.layout import RESULT_BUCKETS, EntryName, Layout, parse_bucket
 
@@ -20,8 +20,12 @@ def _answer(call: Any) -> Any:
 
 
 def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[int]:
-    """A priority's bucket numbers in order (its child list: one name per ~1,000 entries)."""
-    return _numbers(nodes.children(zk, layout.pending(queue, priority)))
+    """A priority's bucket numbers in order (its child list: one name per ~1,000 entries; none
+    while the queue is not set up)."""
+    try:
+        return _numbers(zk.get_children(layout.pending(queue, priority)))
+    except NoNodeError:
+        return []
 
 
 def _numbers(names: list[str]) -> list[int]:

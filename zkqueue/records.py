@@ -10,35 +10,21 @@ as data, not trust: a record that is not JSON, or lacks a required field, raises
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from zkqueue.errors import CorruptRecord
-from zkqueue.layout import EntryName
+from zkqueue.result import read_json, to_json
 from zkqueue.spec import JobSpec
+
+if TYPE_CHECKING:  # a type only: loading the records does not load the layout
+    from zkqueue.layout import EntryName
 
 #: Bytes of an entry's data a dead letter keeps at most.
 _RAW_LIMIT = 16 * 1024
-
-
-def to_json(value: Any) -> bytes:
-    """Compact JSON for small records."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def read_json(data: bytes | None, what: str) -> dict[str, Any]:
-    """A JSON object from a node written by any client, or CorruptRecord naming ``what``."""
-    try:
-        value = json.loads((data or b"").decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise CorruptRecord(f"{what} is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise CorruptRecord(f"{what} is not a JSON object")
-    return value
 
 
 @dataclass

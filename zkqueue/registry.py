@@ -17,7 +17,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from zkqueue.errors import ConfigurationError, CorruptRecord
 from zkqueue.layout import Layout
-from zkqueue.records import read_json
+from zkqueue.result import read_json
 
 log = logging.getLogger("zkq.registry")
 

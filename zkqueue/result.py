@@ -1,4 +1,5 @@
-"""The result record: the JSON stored at results/<id> when a job ends, whatever the reason."""
+"""The result record (the JSON stored at results/<id> when a job ends, whatever the reason), and the
+JSON codec every small record shares (``read_json`` refuses what is not a JSON object)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,22 @@ from typing import Any
 
 from zkqueue import defaults
 from zkqueue.errors import CorruptRecord, ResultTooLarge
-from zkqueue.records import read_json
+
+
+def to_json(value: Any) -> bytes:
+    """Compact JSON for small records."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def read_json(data: bytes | None, what: str) -> dict[str, Any]:
+    """A JSON object from a node written by any client, or CorruptRecord naming ``what``."""
+    try:
+        value = json.loads((data or b"").decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptRecord(f"{what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise CorruptRecord(f"{what} is not a JSON object")
+    return value
 
 
 class Status(enum.StrEnum):
