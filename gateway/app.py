@@ -40,9 +40,9 @@ from gateway.pools import Pools
 from gateway.sse import ClientGone, EventStream, until_hangup
 from gateway.sse import sse as _sse
 from zkqueue import defaults
-from zkqueue.aio import AsyncClient, AsyncJob
-from zkqueue.client import Client
 from zkqueue.errors import ZkqConnectionError, ZkqError
+from zkqueue.producer.aio import AsyncClient, AsyncJob
+from zkqueue.producer.client import Client
 
 log = logging.getLogger("zkq.gateway")
 _SHUTDOWN = "the gateway is shutting down and its drain timeout passed first; the job was withdrawn"

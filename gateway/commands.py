@@ -24,9 +24,9 @@ from typing import Any
 import click
 
 from gateway.config import GatewayConfig, load
-from zkqueue.aio import AsyncClient
 from zkqueue.errors import ConfigurationError, ZkqError
-from zkqueue.logs import configure as configure_logging
+from zkqueue.plumbing.logs import configure as configure_logging
+from zkqueue.producer.aio import AsyncClient
 
 
 class _Seconds(click.ParamType):

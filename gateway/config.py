@@ -26,7 +26,7 @@ from typing import Any
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
-from zkqueue.layout import check_priority, check_queue
+from zkqueue.protocol.layout import check_priority, check_queue
 
 #: Seconds a request waits for its job when neither the config nor the request says.
 TIMEOUT = 600.0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from zkqueue import result as results
 from zkqueue.errors import (
     AccessDenied,
     InvalidJob,
@@ -21,7 +20,8 @@ from zkqueue.errors import (
     ZkqConnectionError,
     ZkqError,
 )
-from zkqueue.result import Result
+from zkqueue.protocol import result as results
+from zkqueue.protocol.result import Result
 
 INVALID = "invalid_request_error"
 AUTH = "authentication_error"

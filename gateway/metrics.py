@@ -1,7 +1,7 @@
 """``GET /metrics``: the gateway's own counters, plus the cluster-wide gauges of ``zkq metrics``.
 
-The cluster collector (zkqueue/exporter.py) reads ZooKeeper with blocking calls, so a scrape runs
-it on a pool thread; requests never do. Metric names are listed in docs/GATEWAY.md.
+The cluster collector (zkqueue/operations/exporter.py) reads ZooKeeper with blocking calls, so a
+scrape runs it on a pool thread; requests never do. Metric names are listed in docs/GATEWAY.md.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from zkqueue.client import Client
-from zkqueue.exporter import cluster_registry
+from zkqueue.operations.exporter import cluster_registry
+from zkqueue.producer.client import Client
 
 #: The paths counted as themselves; any other is one label (a client may ask for any path, and
 #: a label per path would let it grow the metrics without bound).

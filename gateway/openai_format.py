@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.errors import invalid
 from zkqueue import defaults
-from zkqueue.result import Result
+from zkqueue.protocol.result import Result
 
 CHAT = "chat.completion"
 TEXT = "text_completion"

@@ -15,9 +15,9 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.errors import NOT_FOUND, UNAVAILABLE, ApiError
-from zkqueue.aio import AsyncClient
 from zkqueue.errors import InvalidJob
-from zkqueue.layout import check_queue
+from zkqueue.producer.aio import AsyncClient
+from zkqueue.protocol.layout import check_queue
 
 #: Seconds a read of the registry is trusted.
 TTL = 1.0

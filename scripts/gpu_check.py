@@ -35,7 +35,7 @@ from workers.model import weight_bytes
 from workers.runners.base import Outcome, RunningJob
 from workers.runners.hf import HFRunner
 from workers.tinymodel import build_tokenizer
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: scripts.*

@@ -23,7 +23,7 @@ from workers.options import WorkerOptions
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.layout import Layout
+from zkqueue.protocol.layout import Layout
 from zkqueue.testing import ZkCluster
 
 ZKQ = [sys.executable, "-m", "zkqueue.cli"]
@@ -50,7 +50,7 @@ def wait_for(
 
 def result_ids(client: Client, queue: str = "default") -> list[str]:
     """Ids of every stored result of a queue (its 256 result buckets, listed pipelined)."""
-    from zkqueue.layout import RESULT_BUCKETS
+    from zkqueue.protocol.layout import RESULT_BUCKETS
 
     calls = [
         client.zk.get_children_async(client.layout.result_dir(queue, b)) for b in RESULT_BUCKETS

@@ -7,7 +7,7 @@ from typing import Any
 
 from workers.runners.base import Outcome, RunningJob, ThreadedRunner
 from workers.runners.echo import EchoRunner
-from zkqueue.result import Status
+from zkqueue.protocol.result import Status
 
 
 class RecordingRunner(EchoRunner):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from workers.admission import Admission, Verdict
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 
 def count(spec: JobSpec) -> int:

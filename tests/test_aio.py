@@ -16,7 +16,7 @@ from tests.conftest import registered, wait_for
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import AsyncClient, Client, JobTimeout, QueueFull
-from zkqueue.result import CANCELLED
+from zkqueue.protocol.result import CANCELLED
 
 T = TypeVar("T")
 

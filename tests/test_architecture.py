@@ -1,6 +1,6 @@
 """The shape of the code, checked: dependencies point one way (workers and gateway -> zkqueue,
 never back), no import cycle, the library core needs only kazoo and the standard library, every
-multi is built in zkqueue/claims.py, no module is over the size limit, and README's Layout
+multi is built in zkqueue/protocol/claims.py, no module is over the size limit, and README's Layout
 section names every module. Each rule is also run on a small bad tree to show it can fail."""
 
 from __future__ import annotations
@@ -21,6 +21,23 @@ LAYERS = {
     "workers": {"zkqueue", "workers"},
     "gateway": {"zkqueue", "gateway"},
 }
+#: What each sub-package of the library may import from the others (plumbing <- protocol <-
+#: {producer, dispatch} <- operations; the CLI above them all). ``zkqueue.errors`` and
+#: ``zkqueue.defaults`` sit below every one of them and import none.
+SUBLAYERS = {
+    "zkqueue.plumbing": set(),
+    "zkqueue.protocol": {"zkqueue.plumbing"},
+    "zkqueue.dispatch": {"zkqueue.plumbing", "zkqueue.protocol"},
+    "zkqueue.producer": {"zkqueue.plumbing", "zkqueue.protocol"},
+    "zkqueue.operations": {
+        "zkqueue.plumbing",
+        "zkqueue.protocol",
+        "zkqueue.dispatch",
+        "zkqueue.producer",
+    },
+    "zkqueue.errors": set(),
+    "zkqueue.defaults": set(),
+}
 #: The project's top-level packages (imports of these are project imports).
 PROJECT = {*LAYERS, "scripts", "tests"}
 #: Third-party packages the library core may import: kazoo alone. Optional concerns are allowed
@@ -28,13 +45,13 @@ PROJECT = {*LAYERS, "scripts", "tests"}
 CORE_THIRD_PARTY = {"kazoo"}
 OPTIONAL = {
     "zkqueue.cli": {"click", "rich"},
-    "zkqueue.top": {"rich"},
-    "zkqueue.topview": {"rich"},
-    "zkqueue.exporter": {"prometheus_client"},
-    "zkqueue.serving": {"prometheus_client"},
+    "zkqueue.operations.top": {"rich"},
+    "zkqueue.operations.topview": {"rich"},
+    "zkqueue.operations.exporter": {"prometheus_client"},
+    "zkqueue.operations.serving": {"prometheus_client"},
 }
 #: The one module that builds ZooKeeper multis.
-TRANSITIONS = "zkqueue.claims"
+TRANSITIONS = "zkqueue.protocol.claims"
 #: Modules of zkq that ``import zkqueue`` loads in a row at most (the longest chain of
 #: module-level imports from the package's face, faces not counted): a reader follows the public
 #: API down to its bottom in a few files, and the library loads only what it needs.
@@ -102,6 +119,23 @@ def upward_imports(mods: list[Module]) -> list[str]:
             if top in PROJECT and top not in allowed:
                 bad.append(f"{m.name} imports {name}")
     return bad
+
+
+def sideways_imports(mods: list[Module]) -> list[str]:
+    """Imports from one sub-package of the library into another that its layer does not allow."""
+    bad = []
+    for m in mods:
+        own = next((s for s in SUBLAYERS if m.name == s or m.name.startswith(s + ".")), None)
+        if own is None:
+            continue
+        for name in imports(m):
+            other = next((s for s in SUBLAYERS if name == s or name.startswith(s + ".")), None)
+            below_all = other in ("zkqueue.errors", "zkqueue.defaults") and own != other
+            if other is None or other == own or below_all:
+                continue
+            if other not in SUBLAYERS[own]:
+                bad.append(f"{m.name} imports {name}")
+    return sorted(set(bad))
 
 
 def third_party_in_core(mods: list[Module]) -> list[str]:
@@ -252,6 +286,10 @@ def test_dependencies_point_one_way() -> None:
     assert upward_imports(shipped(ROOT)) == []
 
 
+def test_sub_packages_import_only_the_layers_below() -> None:
+    assert sideways_imports(shipped(ROOT)) == []
+
+
 def test_library_core_needs_only_kazoo_and_the_standard_library() -> None:
     assert third_party_in_core(shipped(ROOT)) == []
 
@@ -309,6 +347,11 @@ def bad_tree(tmp_path: Path) -> Path:
             "zkqueue/b.py": "from zkqueue.a import x\nfrom workers.loop import Worker\n",
             "zkqueue/c.py": '"""Doc."""\n# why\ndef f(zk):\n    return zk.transaction()\n'
             + "x = 1\n" * 500,
+            "zkqueue/protocol/__init__.py": "",
+            "zkqueue/protocol/claims.py": "from zkqueue.dispatch.line import Line\n",
+            "zkqueue/dispatch/__init__.py": "",
+            "zkqueue/dispatch/line.py": "",
+            "zkqueue/errors.py": "from zkqueue.protocol import claims\n",
             "workers/__init__.py": "",
             "workers/loop.py": "from zkqueue import a\n",
         },
@@ -324,6 +367,12 @@ def test_rules_catch_a_bad_tree(bad_tree: Path) -> None:
     assert "zkqueue.a imports torch" in third_party_in_core(mods)
     assert cycles(project_edges(bad_tree, mods)) == [["workers.loop", "zkqueue.a", "zkqueue.b"]]
     assert multis_outside_transitions(mods) == ["zkqueue.c:4"]
+    assert sideways_imports(mods) == [
+        "zkqueue.errors imports zkqueue.protocol",
+        "zkqueue.errors imports zkqueue.protocol.claims",
+        "zkqueue.protocol.claims imports zkqueue.dispatch.line",
+        "zkqueue.protocol.claims imports zkqueue.dispatch.line.Line",
+    ]
     assert oversized(bad_tree, {"zkqueue", "workers"}) == ["zkqueue/c.py: 502 lines of code"]
 
 

@@ -11,9 +11,10 @@ from kazoo.client import KazooClient
 
 from tests.conftest import wait_for
 from tests.runners import GateRunner, RecordingRunner
-from zkqueue import Client, arrival, defaults
+from zkqueue import Client, defaults
+from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import ConfigurationError
-from zkqueue.view import PendingView
+from zkqueue.protocol import arrival
 
 
 def _tail(client: Client, priority: str = "normal") -> bytes:

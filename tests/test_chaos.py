@@ -18,7 +18,7 @@ from scripts.chaos.audit import ChaosReport
 from tests.conftest import result_ids, wait_for
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.janitor import JanitorService
+from zkqueue.operations.janitor import JanitorService
 from zkqueue.testing import ZkCluster
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.conftest import ZKQ, wait_for
 from zkqueue import Client
 from zkqueue.errors import ExitCode
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 
 def test_submit_waits_and_prints_output(zkq, spawn_worker, client: Client) -> None:

@@ -7,10 +7,10 @@ import json
 from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
 from zkqueue import Client, defaults
-from zkqueue.claims import Claims
-from zkqueue.layout import EntryName
-from zkqueue.line import Line
-from zkqueue.result import Result
+from zkqueue.dispatch.line import Line
+from zkqueue.protocol.claims import Claims
+from zkqueue.protocol.layout import EntryName
+from zkqueue.protocol.result import Result
 
 
 def _claims(client: Client) -> list[str]:
@@ -50,8 +50,8 @@ def test_complete_with_an_old_token_writes_nothing(client: Client, new_zk) -> No
     lay = client.layout
     a = Claims(zk_a, lay, "default", "a")
     b = Claims(zk_b, lay, "default", "b")
-    from zkqueue.records import Candidate
-    from zkqueue.spec import JobSpec
+    from zkqueue.protocol.records import Candidate
+    from zkqueue.protocol.spec import JobSpec
 
     def candidate() -> Candidate:
         data, stat = client.zk.get(job.entry_path or "")

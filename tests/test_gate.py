@@ -193,7 +193,7 @@ def test_down_until_healthy_whatever_the_figures_say() -> None:
 
 def test_a_jobs_fields_map_onto_its_request() -> None:
     from workers.runners.upstream import request_for
-    from zkqueue.spec import JobSpec
+    from zkqueue.protocol.spec import JobSpec
 
     path, body = request_for(JobSpec("Hi", max_new_tokens=7), "m")
     assert path == "/completions"

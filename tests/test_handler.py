@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from zkqueue.handler import PollingHandler
+from zkqueue.plumbing.handler import PollingHandler
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from workers.model import load
 from workers.runners.base import CancelReason, Outcome, RunningJob
 from workers.runners.hf import HFRunner
 from workers.tinymodel import CONTEXT_LENGTH, write_tiny_model
-from zkqueue.spec import JobSpec, render_plain
+from zkqueue.protocol.spec import JobSpec, render_plain
 
 CPU = torch.device("cpu")
 PROMPTS = [

@@ -13,7 +13,7 @@ from tests.runners import GateRunner
 from workers.metrics import WorkerMetrics
 from zkqueue import Client, QueueFull
 from zkqueue.errors import ExitCode, InvalidJob, JobNotFound
-from zkqueue.janitor import Janitor, JanitorService
+from zkqueue.operations.janitor import Janitor, JanitorService
 
 
 @pytest.fixture

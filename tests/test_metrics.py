@@ -1,5 +1,6 @@
 """Prometheus metrics: a worker's own (workers/metrics.py) and the cluster's, read from a real
-ZooKeeper on each scrape (zkqueue/exporter.py), including scrapes while ZooKeeper is away."""
+ZooKeeper on each scrape (zkqueue/operations/exporter.py), including scrapes while ZooKeeper is
+away."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from tests.conftest import wait_for
 from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.enqueue import Enqueuer
-from zkqueue.exporter import ClusterCollector, collect_once, read_cluster, serve_cluster_metrics
-from zkqueue.janitor import PassReport
+from zkqueue.operations.exporter import (
+    ClusterCollector,
+    collect_once,
+    read_cluster,
+    serve_cluster_metrics,
+)
+from zkqueue.operations.janitor import PassReport
+from zkqueue.producer.enqueue import Enqueuer
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -22,7 +22,7 @@ from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model
 from zkqueue import Client
 from zkqueue.errors import ConfigurationError, ExitCode
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 PROMPTS = ["Hello", "The head of the line claims", "A", "GPU memory is the limit, " * 3]
 PAGE = 16

@@ -12,7 +12,7 @@ from tests.runners import HoldRunner
 from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 
 def _full_worker(

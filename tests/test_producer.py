@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from kazoo.exceptions import ConnectionLoss, SessionExpiredError
 
-from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError, bulk, claims, counts
+from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError
 from zkqueue.errors import JobNotFound
+from zkqueue.producer import bulk
+from zkqueue.protocol import claims, counts
 
 
 def _all_entries(client: Client) -> list[str]:

@@ -13,11 +13,11 @@ from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client, defaults
-from zkqueue.enqueue import Enqueuer
 from zkqueue.errors import ExitCode, InvalidJob, JobWithdrawn, ProtocolMismatch
-from zkqueue.expiry import ExpiryLimits
-from zkqueue.janitor import Janitor
-from zkqueue.migrate import migrate
+from zkqueue.operations.expiry import ExpiryLimits
+from zkqueue.operations.janitor import Janitor
+from zkqueue.producer.enqueue import Enqueuer
+from zkqueue.protocol.migrate import migrate
 
 
 def test_buckets_roll_over_and_order_stays_exact(client: Client, start_worker) -> None:

@@ -136,7 +136,7 @@ def test_status_knows_dead_letters(zkq, client: Client) -> None:
     layout = client.layout
     job_id = "deadbeef00000001"
     client.zk.create(layout.entry_prefix("default", "normal", job_id), b"{bad", sequence=True)
-    from zkqueue.claims import Claims
+    from zkqueue.protocol.claims import Claims
 
     claims = Claims(client.zk, layout, "default", "test", lease=60)
     name = client.zk.get_children(layout.pending("default", "normal"))[0]
@@ -238,8 +238,8 @@ def test_a_job_submitted_during_a_delete_is_kept(client: Client, monkeypatch) ->
     job stays (before, the recursive delete took it with the tree)."""
     import pytest
 
-    from zkqueue import queues
     from zkqueue.errors import QueueBusy
+    from zkqueue.producer import queues
 
     client.ensure_queue("scratch")
     producer = Client(client.settings.hosts, client.layout.root).start()
@@ -280,8 +280,8 @@ def test_a_delete_stopped_halfway_leaves_a_queue_that_works(client: Client, monk
     directory) must not leave a queue nobody can submit to."""
     import pytest
 
-    from zkqueue import queues
     from zkqueue.errors import QueueBusy
+    from zkqueue.producer import queues
 
     client.submit("done before", queue="half", detach=True)
     real = queues._delete_tree

@@ -18,8 +18,8 @@ from workers.loop import Worker
 from workers.options import WorkerOptions
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.connection import ConnectionSettings, connect
 from zkqueue.errors import AccessDenied, ConfigurationError, ExitCode
+from zkqueue.plumbing.connection import ConnectionSettings, connect
 from zkqueue.testing import ZkCluster, write_test_pki
 
 SECRET = "s3cret-Pa55"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from zkqueue import defaults
 from zkqueue.errors import InvalidJob, SpecTooLarge
-from zkqueue.spec import JobSpec, build_spec
+from zkqueue.protocol.spec import JobSpec, build_spec
 
 
 def test_round_trip() -> None:

@@ -17,9 +17,9 @@ from tests.conftest import wait_for
 from workers.admission import Admission
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.exporter import ClusterState, QueueState
-from zkqueue.top import run_top, snapshot
-from zkqueue.topview import TopSnapshot, memory_bar, render, throughput
+from zkqueue.operations.exporter import ClusterState, QueueState
+from zkqueue.operations.top import run_top, snapshot
+from zkqueue.operations.topview import TopSnapshot, memory_bar, render, throughput
 
 
 def text_of(renderable: Any) -> str:
@@ -178,7 +178,7 @@ def test_live_view_quits_on_q(client: Client, populated: dict[str, Any], termina
 def test_a_busy_frame_fits_80_by_24() -> None:
     """Many queues, workers and results on a 80x24 terminal: columns drop by rank, then rows,
     and what remains says how many rows are not shown."""
-    from zkqueue.topview import ResultRow
+    from zkqueue.operations.topview import ResultRow
 
     now = __import__("time").time()
     queues = [

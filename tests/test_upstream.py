@@ -23,8 +23,8 @@ from workers.testing import InferenceServer
 from workers.tinymodel import write_tiny_model
 from zkqueue import Client
 from zkqueue.errors import ConfigurationError
-from zkqueue.registry import read_records
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.registry import read_records
+from zkqueue.protocol.spec import JobSpec
 
 PROMPTS = [
     "The quick brown fox",

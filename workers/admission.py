@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 
 class Verdict(enum.Enum):

@@ -20,9 +20,9 @@ from kazoo.protocol.states import EventType, WatchedEvent
 from workers.events import Event
 from workers.runners.base import CancelReason, Runner, RunningJob
 from zkqueue import defaults
-from zkqueue.claims import Claims
-from zkqueue.logs import job_context
-from zkqueue.watches import remove_data_watch
+from zkqueue.plumbing.logs import job_context
+from zkqueue.plumbing.watches import remove_data_watch
+from zkqueue.protocol.claims import Claims
 
 log = logging.getLogger("zkq.worker")
 _RANK = {p: i for i, p in enumerate(defaults.PRIORITIES)}

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from zkqueue import defaults
 from zkqueue.cli.common import COUNT, SECONDS, SIZE, checked, connection_settings, handles_errors
-from zkqueue.layout import check_queue, check_worker_name
+from zkqueue.protocol.layout import check_queue, check_worker_name
 
 #: The stored-results bounds, shared by ``zkq worker`` and ``zkq janitor``.
 _MAX_RESULTS = click.option(
@@ -285,7 +285,7 @@ def janitor(
       zkq janitor --interval 5 &         # the elected janitor until SIGTERM
     """
     from workers.daemon import janitor_pass, run_janitor
-    from zkqueue.expiry import ExpiryLimits
+    from zkqueue.operations.expiry import ExpiryLimits
 
     if as_json and not once:
         raise click.UsageError("--json applies only with --once")

@@ -21,12 +21,12 @@ from kazoo.protocol.states import ZnodeStat
 from workers.admission import Admission
 from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, Outcome, RunningJob
-from zkqueue.claims import Claim, Claims
-from zkqueue.layout import is_generated_id
-from zkqueue.line import Line
-from zkqueue.logs import job_context
-from zkqueue.records import DeadLetter
-from zkqueue.result import Result, Status
+from zkqueue.dispatch.line import Line
+from zkqueue.plumbing.logs import job_context
+from zkqueue.protocol.claims import Claim, Claims
+from zkqueue.protocol.layout import is_generated_id
+from zkqueue.protocol.records import DeadLetter
+from zkqueue.protocol.result import Result, Status
 
 log = logging.getLogger("zkq.worker")
 

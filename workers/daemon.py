@@ -21,11 +21,11 @@ from workers.options import WorkerOptions, default_worker_id, slots_for
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
-from zkqueue.connection import ConnectionSettings, close, connect, mapped_errors
 from zkqueue.errors import ConfigurationError
-from zkqueue.expiry import ExpiryLimits
-from zkqueue.janitor import Janitor, JanitorService
-from zkqueue.layout import Layout
+from zkqueue.operations.expiry import ExpiryLimits
+from zkqueue.operations.janitor import Janitor, JanitorService
+from zkqueue.plumbing.connection import ConnectionSettings, close, connect, mapped_errors
+from zkqueue.protocol.layout import Layout
 
 if TYPE_CHECKING:
     from kazoo.client import KazooClient

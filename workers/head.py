@@ -19,16 +19,16 @@ from kazoo.exceptions import NoNodeError
 
 from workers.admission import Admission, Verdict
 from workers.metrics import WorkerMetrics
-from zkqueue.claims import Candidate, Claim, Claims
+from zkqueue.dispatch.line import Line
+from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import InvalidJob
-from zkqueue.layout import EntryName, Layout, is_generated_id
-from zkqueue.limits import RunningCap
-from zkqueue.line import Line
-from zkqueue.records import DeadLetter
-from zkqueue.registry import read_records
-from zkqueue.result import Status
-from zkqueue.spec import JobSpec
-from zkqueue.view import PendingView
+from zkqueue.protocol.claims import Candidate, Claim, Claims
+from zkqueue.protocol.layout import EntryName, Layout, is_generated_id
+from zkqueue.protocol.limits import RunningCap
+from zkqueue.protocol.records import DeadLetter
+from zkqueue.protocol.registry import read_records
+from zkqueue.protocol.result import Status
+from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.worker")
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zkqueue.errors import ConfigurationError
-from zkqueue.sizes import InvalidSize, format_size, parse_size
+from zkqueue.plumbing.sizes import InvalidSize, format_size, parse_size
 
 __all__ = ["InvalidSize", "format_size", "parse_size"]
 

@@ -22,9 +22,9 @@ from kazoo.protocol.states import KazooState
 from workers.admission import Admission
 from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, RunningJob
-from zkqueue.claims import Claim, Claims
-from zkqueue.connection import TRANSIENT
-from zkqueue.registry import Registry
+from zkqueue.plumbing.connection import TRANSIENT
+from zkqueue.protocol.claims import Claim, Claims
+from zkqueue.protocol.registry import Registry
 
 log = logging.getLogger("zkq.worker")
 

@@ -31,13 +31,13 @@ from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from workers.runners.gate import Gate
 from workers.stats import WorkerStats
-from zkqueue import revision
-from zkqueue.claims import Claim, Claims
-from zkqueue.connection import TRANSIENT
-from zkqueue.layout import Layout, check_queue
-from zkqueue.line import Line
-from zkqueue.registry import Registry, WorkerRecord
-from zkqueue.view import PendingView
+from zkqueue.dispatch.line import Line
+from zkqueue.dispatch.view import PendingView
+from zkqueue.plumbing.connection import TRANSIENT
+from zkqueue.protocol import revision
+from zkqueue.protocol.claims import Claim, Claims
+from zkqueue.protocol.layout import Layout, check_queue
+from zkqueue.protocol.registry import Registry, WorkerRecord
 
 log = logging.getLogger("zkq.worker")
 

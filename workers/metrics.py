@@ -4,7 +4,8 @@ leases and ZooKeeper connection, served over HTTP for scraping (``zkq worker --m
 Each ``WorkerMetrics`` owns its own CollectorRegistry (not prometheus_client's global one), so
 several workers in one process, and tests, never collide. The methods are the worker loop's hooks;
 each is cheap and thread safe. Cluster-wide figures (queue depth, oldest pending job) come from
-``zkq metrics`` (zkqueue/exporter.py) instead, since no single worker sees the whole queue.
+``zkq metrics`` (zkqueue/operations/exporter.py) instead, since no single worker sees the whole
+queue.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from zkqueue import defaults
-from zkqueue import result as results
-from zkqueue.janitor import PassReport
-from zkqueue.serving import serve_registry
+from zkqueue.operations.janitor import PassReport
+from zkqueue.operations.serving import serve_registry
+from zkqueue.protocol import result as results
 
 #: Seconds a job waited in the queue: a fraction of a second when workers are idle, up to hours
 #: in a backlog.

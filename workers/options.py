@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError
-from zkqueue.layout import check_queue, check_root, check_worker_name
+from zkqueue.protocol.layout import check_queue, check_root, check_worker_name
 
 #: The most jobs a model worker holds when --max-concurrency is not given.
 MODEL_SLOTS = 256

@@ -6,7 +6,7 @@ nobody would claim a high job before some job ends. Full workers that run a job 
 may displace stand in a *busy line* instead (``<queue>/busy/<floor>``, ``floor`` being the lowest
 priority among the jobs they could give back), and, as in the line, each member watches only its
 predecessor: only the head of a busy line watches the pending entries of the priorities above
-its floor (``zkqueue.view.PendingView`` over those priorities, through the tails' arrival
+its floor (``zkqueue.dispatch.view.PendingView`` over those priorities, through the tails' arrival
 signal, so a completion wakes nobody). A high job sent into a full fleet therefore wakes one
 busy head per floor at most.
 
@@ -47,12 +47,12 @@ from workers.head import HeadTurn
 from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, RunningJob
 from zkqueue import defaults
-from zkqueue.claims import Candidate, Claim, Claims
+from zkqueue.dispatch.line import Line
+from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import SpecTooLarge
-from zkqueue.layout import PREEMPTIBLE, Layout, is_line_member
-from zkqueue.line import Line
-from zkqueue.logs import job_context
-from zkqueue.view import PendingView
+from zkqueue.plumbing.logs import job_context
+from zkqueue.protocol.claims import Candidate, Claim, Claims
+from zkqueue.protocol.layout import PREEMPTIBLE, Layout, is_line_member
 
 log = logging.getLogger("zkq.worker")
 

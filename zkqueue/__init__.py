@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from zkqueue.aio import AsyncClient, AsyncJob
-from zkqueue.client import Client
 from zkqueue.errors import (
     ConfigurationError,
     InvalidJob,
@@ -16,9 +14,11 @@ from zkqueue.errors import (
     ZkqConnectionError,
     ZkqError,
 )
-from zkqueue.job import Job
-from zkqueue.result import Result
-from zkqueue.spec import JobSpec
+from zkqueue.producer.aio import AsyncClient, AsyncJob
+from zkqueue.producer.client import Client
+from zkqueue.producer.job import Job
+from zkqueue.protocol.result import Result
+from zkqueue.protocol.spec import JobSpec
 
 __version__ = "0.1.0"
 __all__ = [

@@ -29,7 +29,7 @@ MAX_NEW_TOKENS_LIMIT = 65536
 #: A job spec's JSON may be at most this many bytes (ZooKeeper's own limit is about 1 MB).
 MAX_SPEC_BYTES = 64 * 1024
 #: A spec at most this long also goes into the tail bucket's data with its enqueue (the arrival
-#: signal, zkqueue.arrival), so an idle head claims it without reading the entry.
+#: signal, zkqueue.protocol.arrival), so an idle head claims it without reading the entry.
 SIGNAL_SPEC_BYTES = 8 * 1024
 #: A result record's JSON may be at most this many bytes.
 MAX_RESULT_BYTES = 256 * 1024

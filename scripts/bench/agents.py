@@ -25,7 +25,7 @@ from scripts.bench import wire
 from scripts.bench.services import LockingQueueService, RedisService, Service, ZkqService
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.handler import PollingHandler
+from zkqueue.plumbing.handler import PollingHandler
 
 
 def agent_main(conn: Connection, hosts: str) -> None:
@@ -67,8 +67,9 @@ class Agent:
     """The commands one agent process understands (``cmd_<name>``)."""
 
     def __init__(self, hosts: str) -> None:
-        # zkq's clients run on zkq's kazoo handler (zkqueue.handler); LockingQueue on kazoo's
-        # own, as kazoo ships it, unless ZKQ_BENCH_LQ_HANDLER=zkq (to tell the handler's share).
+        # zkq's clients run on zkq's kazoo handler (zkqueue.plumbing.handler); LockingQueue on
+        # kazoo's own, as kazoo ships it, unless ZKQ_BENCH_LQ_HANDLER=zkq (to tell the handler's
+        # share).
         self.hosts = hosts
         self.zk = _start(KazooClient(hosts=hosts, timeout=10.0, handler=PollingHandler()))
         self._lq_zk: KazooClient | None = None

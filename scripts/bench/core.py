@@ -20,7 +20,7 @@ from kazoo.exceptions import NoNodeError
 from scripts.bench import wire
 from scripts.bench.agents import agent_main
 from zkqueue import Client
-from zkqueue.handler import PollingHandler
+from zkqueue.plumbing.handler import PollingHandler
 from zkqueue.testing import ZkCluster
 
 if TYPE_CHECKING:

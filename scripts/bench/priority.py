@@ -41,7 +41,7 @@ from scripts.bench.core import stop_processes
 from workers.testing import InferenceServer
 from zkqueue import Client
 from zkqueue.errors import JobTimeout
-from zkqueue.result import Result
+from zkqueue.protocol.result import Result
 from zkqueue.testing import ZkCluster
 
 ROOT = Path(__file__).resolve().parents[2]

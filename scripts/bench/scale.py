@@ -33,12 +33,13 @@ from scripts.bench.core import QUEUE, Bench, wait_until
 from workers.loop import Worker
 from workers.options import WorkerOptions
 from workers.runners.echo import EchoRunner
-from zkqueue import Client, claims
-from zkqueue.expiry import ExpiryLimits
-from zkqueue.janitor import Janitor, JanitorService
-from zkqueue.layout import RESULT_BUCKETS, Layout
-from zkqueue.nodes import Ticks
-from zkqueue.result import Result
+from zkqueue import Client
+from zkqueue.operations.expiry import ExpiryLimits
+from zkqueue.operations.janitor import Janitor, JanitorService
+from zkqueue.protocol import claims
+from zkqueue.protocol.layout import RESULT_BUCKETS, Layout
+from zkqueue.protocol.nodes import Ticks
+from zkqueue.protocol.result import Result
 from zkqueue.testing import four_letter
 
 Log = Callable[[str], None]
@@ -163,7 +164,7 @@ def _pending(bench: Bench, n: int, log: Log) -> dict[str, Any]:
     for i in range(0, n, 10_000):
         jobs += client.submit_many([f"deep {j}" for j in range(i, min(n, i + 10_000))], queue=QUEUE)
     fill = time.perf_counter() - start
-    from zkqueue.exporter import read_cluster
+    from zkqueue.operations.exporter import read_cluster
 
     janitor = Janitor(bench.zk, client.layout)
     row: dict[str, Any] = {"pending": n, "fill_s": fill}

@@ -10,8 +10,8 @@ from typing import Any
 
 from scripts.bench import wire
 from scripts.bench.core import PROMPT, QUEUE, Bench, median, percentile, wait_until
-from zkqueue.layout import new_job_id
-from zkqueue.spec import build_spec
+from zkqueue.protocol.layout import new_job_id
+from zkqueue.protocol.spec import build_spec
 
 Log = Callable[[str], None]
 

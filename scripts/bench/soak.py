@@ -25,7 +25,7 @@ from typing import Any
 from scripts.bench.core import QUEUE, Bench
 from scripts.bench.scale import _Fleet, rss_kib
 from zkqueue import Client
-from zkqueue.janitor import JanitorService
+from zkqueue.operations.janitor import JanitorService
 
 Log = Callable[[str], None]
 

@@ -40,7 +40,7 @@ from scripts.bench.core import pid_cpu, stop_processes
 from workers.runners.upstream import request_for
 from workers.testing import InferenceServer
 from zkqueue import Client
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 from zkqueue.testing import ZkCluster, four_letter
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -138,8 +138,8 @@ Known and not fixed here:
 
 - A node named `w-<not a number>` under a queue's `line/` (or under `janitor/`), written by any
   client, makes `zkqueue/layout.line_order` raise in `Line._ask_head`: every worker of the queue
-  exits (and the janitor election stops). The fix belongs in `zkqueue/line.py` (skip children
-  whose name is not `w-<sequence>`); `tests/test_chaos.py` holds it as a strict xfail.
+  exits (and the janitor election stops). The fix belongs in `zkqueue/dispatch/line.py` (skip
+  children whose name is not `w-<sequence>`); `tests/test_chaos.py` holds it as a strict xfail.
 - `Client.submit` that loses the connection mid-create and does not get it back within
   `connect_timeout` raises `ZkqConnectionError` although the job may exist: the caller cannot
   know its id. The scenarios pause the producer while the ensemble has no quorum for that reason.

@@ -13,9 +13,10 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from zkqueue import counts, defaults
-from zkqueue import result as results
-from zkqueue.layout import RESULT_BUCKETS, Layout
+from zkqueue import defaults
+from zkqueue.protocol import counts
+from zkqueue.protocol import result as results
+from zkqueue.protocol.layout import RESULT_BUCKETS, Layout
 
 #: The one queue every scenario uses.
 QUEUE = defaults.QUEUE

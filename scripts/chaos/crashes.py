@@ -10,7 +10,7 @@ from scripts.chaos.audit import QUEUE, Audit, ChaosReport, expect
 from scripts.chaos.inprocess import HungRunner, InProcessWorker, start_janitor
 from scripts.chaos.load import drain, feed, registered_since, spawn_fleet
 from scripts.chaos.stage import Stage, WorkerProcess, hold, need, poll
-from zkqueue.job import Job
+from zkqueue.producer.job import Job
 
 # -- (a) kill -9 -----------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ from scripts.chaos.audit import QUEUE, Audit, ChaosReport
 from scripts.chaos.load import spawn_fleet
 from scripts.chaos.stage import Stage, WorkerProcess, poll
 from zkqueue import defaults
-from zkqueue import result as results
-from zkqueue.layout import Layout, bucket_name, child
+from zkqueue.protocol import result as results
+from zkqueue.protocol.layout import Layout, bucket_name, child
 
 # -- (f) garbage entries ---------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ from workers.loop import Worker
 from workers.options import WorkerOptions
 from workers.runners.base import Outcome, RunningJob, ThreadedRunner
 from workers.runners.echo import EchoRunner
-from zkqueue.connection import ConnectionSettings, close, connect
-from zkqueue.janitor import JanitorService
-from zkqueue.result import Status
+from zkqueue.operations.janitor import JanitorService
+from zkqueue.plumbing.connection import ConnectionSettings, close, connect
+from zkqueue.protocol.result import Status
 
 #: Longest a hung runner stays stuck if nobody releases it (keeps every thread bounded).
 _HANG_LIMIT = 300.0

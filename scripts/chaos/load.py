@@ -10,10 +10,10 @@ from collections.abc import Iterable
 
 from scripts.chaos.audit import Audit
 from scripts.chaos.stage import Stage, WorkerProcess
-from zkqueue import result as results
-from zkqueue.client import Client
 from zkqueue.errors import JobWithdrawn, ZkqError
-from zkqueue.job import Job
+from zkqueue.producer.client import Client
+from zkqueue.producer.job import Job
+from zkqueue.protocol import result as results
 
 # -- steady load -----------------------------------------------------------------------------
 

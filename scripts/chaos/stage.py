@@ -27,10 +27,10 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NoNodeError, OperationTimeoutError, SessionExpiredError
 
 from scripts.chaos.audit import QUEUE, Audit, ChaosReport, audit
-from zkqueue import result as results
-from zkqueue.client import Client
 from zkqueue.errors import ZkqError
-from zkqueue.layout import RESULT_BUCKETS, Layout, child
+from zkqueue.producer.client import Client
+from zkqueue.protocol import result as results
+from zkqueue.protocol.layout import RESULT_BUCKETS, Layout, child
 from zkqueue.testing import ZkCluster
 
 _REPO = Path(__file__).resolve().parents[2]

@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 if TYPE_CHECKING:
-    from zkqueue.claims import Claim
+    from zkqueue.protocol.claims import Claim
 
 log = logging.getLogger("zkq.runner")
 

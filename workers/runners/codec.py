@@ -11,7 +11,7 @@ import functools
 import threading
 from typing import Any
 
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.spec import JobSpec
 
 #: A chat as a hashable key: ((("role", ...), ("content", ...)), ...).
 _Chat = tuple[tuple[tuple[str, str], ...], ...]

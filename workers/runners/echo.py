@@ -9,7 +9,7 @@ from typing import Any
 
 from workers.runners.base import Outcome, RunningJob, ThreadedRunner
 from zkqueue import defaults
-from zkqueue.result import Status
+from zkqueue.protocol.result import Status
 
 #: Seconds between the echo runner's progress ticks.
 _TICK = 0.25

@@ -23,8 +23,8 @@ from transformers import GenerationConfig, StoppingCriteria
 from workers.runners.base import Outcome, RunningJob
 from workers.runners.codec import Codec
 from workers.runners.engine import Sampling
-from zkqueue import result
-from zkqueue.spec import JobSpec
+from zkqueue.protocol import result
+from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.runner")
 

@@ -51,9 +51,9 @@ from workers.runners.base import Done, Outcome, RunningJob
 from workers.runners.codec import Codec, eos_ids
 from workers.runners.engine import Engine, EngineConfig, EngineOutput
 from workers.runners.flight import Flight, PlainPath, needs_alone, sampling_of, streams
-from zkqueue import result
 from zkqueue.errors import ConfigurationError
-from zkqueue.spec import JobSpec
+from zkqueue.protocol import result
+from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.runner")
 

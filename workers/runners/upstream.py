@@ -44,8 +44,8 @@ from workers.calibration import Slots
 from workers.runners.base import Done, Outcome, RunningJob
 from workers.runners.gate import MAX_KV_USE, MAX_WAITING, Gate, parse_metrics
 from zkqueue.errors import ConfigurationError
-from zkqueue.result import Status
-from zkqueue.spec import JobSpec
+from zkqueue.protocol.result import Status
+from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.upstream")
 

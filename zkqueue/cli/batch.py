@@ -10,10 +10,10 @@ from typing import Any, BinaryIO, TextIO
 
 import click
 
-from zkqueue import bulk
 from zkqueue.cli.common import open_client
-from zkqueue.client import Client
 from zkqueue.errors import ExitCode, Interrupted, NoWorker
+from zkqueue.producer import bulk
+from zkqueue.producer.client import Client
 
 
 def left(deadline: float | None) -> float | None:

@@ -27,12 +27,12 @@ import click
 from click.core import ParameterSource
 
 from zkqueue import defaults
-from zkqueue.client import Client
-from zkqueue.connection import ConnectionSettings
 from zkqueue.errors import ConfigurationError, ExitCode, InvalidJob, JobNotFound, ZkqError
-from zkqueue.layout import check_root
-from zkqueue.result import Result
-from zkqueue.sizes import parse_size
+from zkqueue.plumbing.connection import ConnectionSettings
+from zkqueue.plumbing.sizes import parse_size
+from zkqueue.producer.client import Client
+from zkqueue.protocol.layout import check_root
+from zkqueue.protocol.result import Result
 
 
 class _Size(click.ParamType):

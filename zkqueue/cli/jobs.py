@@ -23,9 +23,9 @@ from zkqueue.cli.common import (
     require_queue,
 )
 from zkqueue.errors import ExitCode, Interrupted, JobTimeout
-from zkqueue.job import Job
-from zkqueue.layout import check_job_id, check_new_job_id, check_queue
-from zkqueue.result import Result
+from zkqueue.producer.job import Job
+from zkqueue.protocol.layout import check_job_id, check_new_job_id, check_queue
+from zkqueue.protocol.result import Result
 
 
 @click.command()

@@ -18,7 +18,7 @@ import click
 from zkqueue.cli import jobs, ops, queues
 from zkqueue.cli.common import CONTEXT, EPILOG, ConnectionGroup, group_options
 from zkqueue.errors import ExitCode
-from zkqueue.logs import configure as configure_logging
+from zkqueue.plumbing.logs import configure as configure_logging
 
 
 @click.group(cls=ConnectionGroup, context_settings=CONTEXT, epilog=EPILOG)

@@ -15,7 +15,7 @@ from zkqueue.cli.common import (
     open_client,
     require_queue,
 )
-from zkqueue.layout import check_job_id, check_queue
+from zkqueue.protocol.layout import check_job_id, check_queue
 
 
 @click.command()
@@ -147,7 +147,7 @@ def migrate(ctx: click.Context) -> None:
     Example:
       zkq --root /zkq migrate
     """
-    from zkqueue.migrate import migrate as run
+    from zkqueue.protocol.migrate import migrate as run
 
     with open_client(ctx) as client, client.mapped():
         report = run(client.zk, client.layout)
@@ -198,7 +198,7 @@ def top(ctx: click.Context, interval: float, once: bool) -> None:
     """
     import sys
 
-    from zkqueue.top import run_top
+    from zkqueue.operations.top import run_top
 
     with open_client(ctx) as client:
         run_top(client, interval=interval, once=once or not sys.stdout.isatty())
@@ -217,7 +217,7 @@ def metrics(ctx: click.Context, port: int, addr: str) -> None:
     Example:
       zkq metrics --port 9464 &   curl -s localhost:9464/metrics | grep zkq_queue_depth
     """
-    from zkqueue.exporter import run_exporter
+    from zkqueue.operations.exporter import run_exporter
 
     with open_client(ctx) as client:
         run_exporter(client, port, addr)

@@ -8,8 +8,8 @@ from typing import Any
 import click
 
 from zkqueue.cli.common import checked, emit, handles_errors, open_client, require_queue
-from zkqueue.layout import check_queue
-from zkqueue.limits import LIMITS, MAX_LIMIT, QueueSettings
+from zkqueue.protocol.layout import check_queue
+from zkqueue.protocol.limits import LIMITS, MAX_LIMIT, QueueSettings
 
 _NONE = ("none", "unlimited")
 

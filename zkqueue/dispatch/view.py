@@ -1,0 +1,400 @@
+"""The head's view of a queue: pending entries in dispatch order and the ids of claimed ones,
+kept current by child watches that only the head of the line sets.
+
+The view is depth-flat: per priority it lists the bucket names (one per ~1,000 entries) and only
+the first buckets, until it holds enough unclaimed candidates; a bucket's names are parsed once
+(cached by name). A bucket before the tail never gains an entry (producers' multis check the
+tail), so it is listed once more when it stops being the tail and never again; its finished
+entries are dropped when a read finds them gone. Empty buckets before the tail are deleted.
+
+Watches are set only when the head runs short of candidates (it is waiting for arrivals): then on
+the bucket names and the tail bucket of each priority. While any job runs, a tail is watched
+through its data (the arrival signal, which may carry the new entry: zkqueue.protocol.arrival), not
+its children: a running job's entry stays in its bucket until its completion, whose delete would
+wake the head for nothing. Entries created without the signal are found by a re-listing at each
+heartbeat. A busy head sets none, so completions notify nobody; each turn it re-lists (unwatched)
+the bucket its first candidates come from (other workers' completions would otherwise be read as
+candidates and found gone) and the tail buckets of priorities above its best candidate, so a more
+urgent arrival is never passed over."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from operator import attrgetter
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import WatchedEvent, ZnodeStat
+
+from zkqueue import defaults
+from zkqueue.errors import InvalidJob
+from zkqueue.plumbing.watches import remove_child_watch, remove_data_watch
+from zkqueue.protocol import arrival
+from zkqueue.protocol.layout import EntryName, Layout, bucket_name, parse_bucket
+
+log = logging.getLogger("zkq.view")
+CLAIMS = "claims"
+#: Unclaimed candidates per priority the view keeps listed (when the buckets hold that many).
+WANT = 64
+#: A part of the view, re-read when its watch fires: CLAIMS, a priority (its bucket names), or
+#: (priority, bucket) (the bucket's entries).
+Part = Any
+
+
+@dataclass(eq=False)
+class _Watch:
+    """A stable callable per watched path: kazoo keeps watchers in a set, so re-arming the same
+    object never stacks duplicate callbacks."""
+
+    part: Part
+    view: PendingView
+
+    def __call__(self, event: WatchedEvent) -> None:
+        # Runs on kazoo's thread: only count and post; the loop's thread calls invalidate(),
+        # which marks the part unwatched (the view's sets are the loop thread's alone).
+        self.view.events += 1
+        self.view.on_change(self.part)
+
+
+@dataclass(eq=False)
+class PendingView:
+    zk: KazooClient
+    layout: Layout
+    queue: str
+    on_change: Callable[[Part], None]
+    #: Bucket numbers per priority, in order.
+    buckets: dict[str, list[int]] = field(default_factory=dict)
+    #: Entries of the listed buckets, in order, by (priority, bucket).
+    listed: dict[tuple[str, int], list[EntryName]] = field(default_factory=dict)
+    #: Names (below the priority) that are not entries, by priority: the head dead-letters them.
+    malformed: dict[str, list[str]] = field(default_factory=dict)
+    #: Ids of the running jobs (claims/ is one node per id).
+    claimed: set[str] = field(default_factory=set)
+    events: int = 0
+    #: Child listings this view made (benchmarks count them).
+    listings: int = 0
+    #: Parts with a watch set on the server: a child watch, or a data watch for those also in
+    #: ``signalled`` (tail buckets whose data producers touch on every enqueue).
+    armed: set[Any] = field(default_factory=set)
+    signalled: set[Any] = field(default_factory=set)
+    #: Watch claims/ too (the head is capped by max_running: a claim ending frees a slot).
+    watch_claims: bool = False
+    #: The priorities this view covers, in dispatch order: all of them for the line's head;
+    #: those above its floor for a busy line's head (``workers.preemption``).
+    priorities: tuple[str, ...] = defaults.PRIORITIES
+
+    def __post_init__(self) -> None:
+        self._dirty: set[Part] = {*self.priorities, CLAIMS}
+        #: The last turn found fewer candidates than it could claim (it armed watches).
+        self._waiting = False
+        self._watches: dict[Part, _Watch] = {}
+        self._parsed: dict[tuple[str, int], dict[str, EntryName]] = {}
+        #: Entries (by priority and name) the last refresh found in their tail's arrival
+        #: signal: (spec bytes, stat), so the head claims them without reading them.
+        self.arrived: dict[tuple[str, str], tuple[bytes, ZnodeStat]] = {}
+        #: Tails listed since this worker last became head: only an entry that appeared after
+        #: such a listing can have come to no other head (none claimed it meanwhile).
+        self._headed: set[Part] = set()
+
+    def invalidate(self, part: Part | None = None) -> None:
+        """Mark one part, or everything, to be re-read."""
+        if part is None:
+            # Re-list everything; the watches stay set on the server (and in these books, so a
+            # bucket is never watched both ways, and unwatch() removes what is set). A fired
+            # watch comes back through invalidate(part); a lost session through forget_watches().
+            self._dirty = {*self.priorities, CLAIMS, *self.listed}
+        else:
+            self._dirty.add(part)
+            self.armed.discard(part)
+            self.signalled.discard(part)
+
+    def forget_watches(self) -> None:
+        """The session is gone, and every watch with it: re-list and re-arm everything."""
+        self.invalidate()
+        self._headed.clear()
+        self.armed.clear()
+        self.signalled.clear()
+        self.watch_claims = False
+
+    def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
+        """Re-list what changed since the last refresh, the claims (never watched: a job's
+        claim and completion notify nobody; the loop's periodic turn sees a claim that
+        vanished) and the tails above the best candidate, pipelined (in the same round trip as
+        whatever the caller sent just before); list the next buckets of any priority short of
+        candidates. ``await_arrivals`` follows when the caller is the head."""
+        dirty, self._dirty = self._dirty, set()
+        self.arrived = {}
+        # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
+        # tails of the priorities above the best candidate are always the current ones.
+        names = {p for p in self.priorities if p not in self.armed}
+        arm = names | ({CLAIMS} if self.watch_claims else set())
+        parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
+        parts |= self._uncertain(exclude)
+        # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
+        # a tail whose watch fired.
+        peek = self._tails() & dirty if self._waiting else set()
+        self._read(parts, arm, peek=peek)
+        for _ in range(8):
+            more, self._dirty = self._short() | self._dirty, set()
+            if not more:
+                break
+            self._read(more)
+
+    def await_arrivals(self, want: int, exclude: frozenset[str]) -> None:
+        """When fewer than ``want`` candidates remain, list the bucket names and tails again
+        with watches, to hear of arrivals (only the head of the line calls it)."""
+        have = list(islice(self.candidates(set(exclude)), want))
+        self._waiting = len(have) < want
+        if self._waiting:
+            # A waiting head watches each priority's bucket names and its tail bucket.
+            waiting = {*self.priorities, *self._tails()} - self.armed
+            # While jobs run (or are about to: the head claims ``have`` now), tails are watched
+            # through their data, which producers touch in every enqueue: a child watch would
+            # also fire when those jobs complete (a running job's entry stays in its bucket,
+            # which may be the tail, until then).
+            busy = bool(self.claimed or have)
+            signal = {p for p in waiting if not isinstance(p, str)} if busy else set()
+            signal |= waiting & self.signalled
+            self._read(waiting, waiting - signal, signal, peek=waiting & self._tails())
+
+    def poll(self) -> None:
+        """Re-list the tails watched through their data (the loop calls it at each heartbeat
+        while this worker is head): an entry a producer created without touching the bucket's
+        data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
+        self._dirty |= self.signalled & self._tails()  # their data watches stay set: not re-armed
+
+    def _uncertain(self, exclude: frozenset[str]) -> set[Part]:
+        """Tails watched through their data whose listing may be stale, since neither a
+        completion nor a raw producer's entry fires a data watch: those holding jobs that were
+        running (their completions would be read as candidates), and all of them when the view
+        has no candidate (the head wakes from waiting, perhaps to claim from a lower priority
+        than a raw entry in one of them). Jobs of this worker (``exclude``) do not count: it
+        drops their entries itself. Re-listed, unwatched, in the refresh."""
+        if self._waiting or next(self.candidates(set(exclude)), None) is None:
+            return set(self.signalled)
+        return {
+            part
+            for part in self.signalled
+            if any(
+                e.job_id in self.claimed and e.name not in exclude
+                for e in self.listed.get(part, ())
+            )
+        }
+
+    def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
+        """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
+        (one bucket, at most ~1,000 names), since other workers' completions are not watched
+        and their entries would otherwise be read as candidates and found gone."""
+        first = islice(self.candidates(set(exclude)), want)
+        return {(p, e.bucket) for p, e in first} - self._trusted()
+
+    def _trusted(self) -> set[Part]:
+        """Parts whose child watch reports every change (a data watch hears arrivals only)."""
+        return self.armed - self.signalled
+
+    def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
+        """The listed tail buckets of the priorities ranked above the best candidate's."""
+        best = next(self.candidates(set(exclude)), None)
+        above = self.priorities[: self.priorities.index(best[0])] if best else ()
+        return {t for t in self._tails() if t[0] in above} - self._trusted()
+
+    def _tails(self) -> set[Part]:
+        """Each priority's tail bucket, as listed."""
+        return {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
+
+    def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
+        """Unclaimed entries in dispatch order: priority rank, then bucket and sequence."""
+        for priority in self.priorities:
+            for bucket in self.buckets.get(priority, []):
+                entries = self.listed.get((priority, bucket))
+                if entries is None:
+                    break  # not listed: the priority has enough candidates before it
+                for e in entries:
+                    if e.job_id not in self.claimed and not (exclude and e.name in exclude):
+                        yield priority, e
+
+    def unwatch(self) -> None:
+        """Stop watching (this worker leaves the head of the line): remove the bucket watches
+        it set, so later arrivals and completions notify the new head only (the bucket names'
+        watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
+        time."""
+        self.watch_claims = False
+        self._headed.clear()
+        self._waiting = False  # a later refresh is no wake-up from this head's wait
+        for part in [
+            p for p in self.armed | self.signalled if not isinstance(p, str) or p == CLAIMS
+        ]:
+            watch = self._watches.get(part)
+            if watch is not None:
+                remove = remove_data_watch if part in self.signalled else remove_child_watch
+                remove(self.zk, self._path(part), watch)
+            self.invalidate(part)
+
+    def drop(self, priority: str, entry: EntryName) -> None:
+        """Forget an entry that is gone (its bucket's watch will confirm it)."""
+        entries = self.listed.get((priority, entry.bucket), [])
+        if entry in entries:
+            entries.remove(entry)
+
+    def arm_claims(self) -> None:
+        """Watch claims/ from now on (set now: the turn's refresh already listed it)."""
+        if not self.watch_claims:
+            self.watch_claims = True
+            self._read({CLAIMS}, {CLAIMS})
+
+    def _read(
+        self,
+        parts: set[Part],
+        arm: frozenset[Part] | set[Part] = frozenset(),
+        signal: frozenset[Part] | set[Part] = frozenset(),
+        peek: frozenset[Part] | set[Part] = frozenset(),
+    ) -> None:
+        """List ``parts`` (pipelined: one round trip), with a child watch on those in ``arm``
+        and a data watch on those in ``signal``, set before their listing (an arrival after
+        the watch fires it; one before is in the listing). Buckets in ``peek`` have their data
+        read just before their listing: an arrival's entry may be in it (``arrived``)."""
+        self.armed |= (arm | signal) & parts
+        self.signalled |= signal & parts
+        data = {
+            part: self.zk.get_async(self._path(part), watch=self._watch(part))
+            for part in signal & parts
+        }
+        # claims/ first (a session's requests are served in order): an entry whose claim it
+        # does not show and which a later bucket listing still holds is pending, not a job
+        # that completed in between (whose claim and entry both went).
+        ordered = sorted(parts, key=lambda part: part != CLAIMS)
+        calls = {}
+        for part in ordered:
+            if part in peek and part not in data:
+                data[part] = self.zk.get_async(self._path(part))
+            watch = self._watch(part) if part in arm else None
+            listing = self.zk.get_children_async(self._path(part), watch, part in peek)
+            calls[part] = (listing, data.get(part) if part in peek else None)
+        self.listings += len(calls)
+        for part, (call, signalled) in calls.items():
+            try:
+                names = call.get()
+            except NoNodeError:  # and no watch was set: the next refresh lists it again
+                names = []
+                self.armed.discard(part)
+                self.signalled.discard(part)
+            if part == CLAIMS:
+                self.claimed = set(names)
+            elif isinstance(part, str):
+                self._store_buckets(part, names)
+            elif part[1] in self.buckets.get(part[0], []):
+                if signalled is None:
+                    self._store(part, names)
+                else:
+                    self._store_signalled(part, names, signalled)
+
+    def _store_signalled(self, key: tuple[str, int], listing: Any, signalled: Any) -> None:
+        """Store a bucket listed with its stat just after its data was read; keep its newest
+        entry in ``arrived`` if the signal carries it (zkqueue.protocol.arrival) and it appeared
+        since this head's last listing of the bucket (so, as a rule, no other head claimed it)."""
+        names, stat = listing if listing else ([], None)
+        seen = self._parsed.get(key, {}) if key in self._headed else None
+        self._headed.add(key)
+        self._store(key, names)
+        if seen is None:
+            return
+        entries = self.listed.get(key)
+        try:
+            data, data_stat = signalled.get()
+        except NoNodeError:
+            return
+        if entries and stat is not None:
+            found = arrival.carried(entries[-1], seen, stat.pzxid, data, data_stat)
+            if found is not None:
+                self.arrived[(key[0], entries[-1].name)] = found
+
+    def _short(self) -> set[Part]:
+        """Buckets to list next: per priority, the first unlisted ones while the listed ones
+        hold fewer than WANT unclaimed entries. Empty buckets before the tail are deleted."""
+        more: set[Part] = set()
+        for priority in self.priorities:
+            numbers = self.buckets.get(priority, [])
+            have = 0
+            for bucket in numbers:
+                key = (priority, bucket)
+                entries = self.listed.get(key)
+                if entries is None:
+                    more.add(key)
+                    break
+                if not entries and bucket != numbers[-1]:
+                    self._remove_bucket(key)
+                    continue
+                for e in entries:
+                    have += e.job_id not in self.claimed
+                    if have >= WANT:
+                        break
+                if have >= WANT:
+                    break
+        return more
+
+    def _remove_bucket(self, key: tuple[str, int]) -> None:
+        self.zk.delete_async(self._path(key))  # NotEmpty or NoNode: someone else's business
+        self._forget(key)
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        self.listed.pop(key, None)
+        self._parsed.pop(key, None)
+        self._watches.pop(key, None)
+        self._headed.discard(key)
+        self.armed.discard(key)
+        self.signalled.discard(key)
+
+    def _store_buckets(self, priority: str, names: list[str]) -> None:
+        numbers, bad = [], []
+        for name in names:
+            number = parse_bucket(name)
+            if number is None:
+                bad.append(name)  # an entry created outside any bucket
+            else:
+                numbers.append(number)
+        numbers.sort()
+        old = self.buckets.get(priority)
+        if old and numbers and numbers[-1] > old[-1] and (priority, old[-1]) in self.listed:
+            self._dirty.add((priority, old[-1]))  # no longer the tail: list it once more
+        self.buckets[priority] = numbers
+        inside = [m for m in self.malformed.get(priority, []) if "/" in m]
+        self.malformed[priority] = bad + inside
+        present = set(numbers)
+        for key in [k for k in self.listed if k[0] == priority and k[1] not in present]:
+            self._forget(key)
+
+    def _store(self, key: tuple[str, int], names: list[str]) -> None:
+        priority, bucket = key
+        old = self._parsed.get(key, {})
+        parsed: dict[str, EntryName] = {}
+        for leaf in names:
+            entry = old.get(leaf)
+            if entry is None:
+                try:
+                    entry = EntryName.parse_leaf(leaf, bucket)
+                except InvalidJob:
+                    self.malformed.setdefault(priority, []).append(f"{bucket_name(bucket)}/{leaf}")
+                    continue
+            parsed[leaf] = entry
+        self._parsed[key] = parsed
+        self.listed[key] = sorted(parsed.values(), key=_ORDER)
+
+    def _watch(self, part: Part) -> _Watch:
+        watch = self._watches.get(part)
+        if watch is None:
+            watch = self._watches[part] = _Watch(part, self)
+        return watch
+
+    def _path(self, part: Part) -> str:
+        if part == CLAIMS:
+            return self.layout.claims(self.queue)
+        if isinstance(part, str):
+            return self.layout.pending(self.queue, part)
+        return self.layout.bucket(self.queue, part[0], part[1])
+
+
+_ORDER = attrgetter("order")

@@ -1,0 +1,282 @@
+"""A handle on one job for asyncio code: await its result, iterate its stream, cancel it.
+
+The waits follow the blocking Job's reads (zkqueue/producer/job.py) with watches turned into one
+asyncio event per job: a watch fires on kazoo's thread, the event is set on the loop, the waiter
+reads again. While a streaming job runs, a change of only its claim (new partial output) costs one
+read of the claim; anything else, or a quiet ``_RECHECK_SECONDS``, reads everything again
+(watches are hints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import WatchedEvent
+
+from zkqueue.errors import JobWithdrawn, ZkqConnectionError
+from zkqueue.plumbing.connection import TRANSIENT, mapped_errors
+from zkqueue.plumbing.watches import remove_data_watch
+from zkqueue.protocol import claims
+from zkqueue.protocol.jobpaths import JobPaths
+from zkqueue.protocol.records import ClaimBody
+from zkqueue.protocol.result import Result
+
+if TYPE_CHECKING:
+    from kazoo.client import KazooClient
+    from kazoo.interfaces import IAsyncResult
+
+    from zkqueue.plumbing.connection import ConnectionSettings
+    from zkqueue.protocol.layout import Layout
+
+
+class LoopClient(Protocol):
+    """What an AsyncJob needs of its client (``zkqueue.producer.aio.AsyncClient`` is one)."""
+
+    layout: Layout
+    settings: ConnectionSettings
+
+    @property
+    def zk(self) -> KazooClient: ...
+
+    @property
+    def handoff(self) -> Any: ...
+
+    async def wait(self, call: IAsyncResult, timeout: float | None = None) -> Any: ...
+
+    async def maybe(self, call: IAsyncResult) -> Any: ...
+
+
+#: Seconds between reads without a watch firing, and while ZooKeeper is unreachable.
+_RECHECK_SECONDS = 2.0
+_RECONNECT_POLL = 0.25
+#: What a read raises while ZooKeeper is away (kazoo reconnects by itself): wait and read again.
+_AWAY = (*TRANSIENT, ZkqConnectionError)
+
+
+class AsyncJob(JobPaths):
+    """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached
+    request (on timeout, or when the task waiting on it is cancelled) and removes an attached
+    result once read."""
+
+    def __init__(
+        self,
+        client: LoopClient,
+        job_id: str,
+        queue: str,
+        priority: str,
+        entry: str | None = None,
+        *,
+        detach: bool = True,
+        owned: bool = False,
+    ) -> None:
+        super().__init__(client, job_id, queue, priority, entry, detach=detach, owned=owned)
+        self.record: Result | None = None
+        self._wake = asyncio.Event()
+        self._fired: set[str] = set()
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    async def result(self, timeout: float | None = None) -> Result:
+        """Wait for the result record. On timeout raise JobTimeout; the submitter's attached
+        request is withdrawn then, and also when the awaiting task is cancelled."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._withdrawn_if_abandoned():
+            while self.record is None:
+                self._wake.clear()
+                try:
+                    looked, recheck = await self._look(with_claim=False), _RECHECK_SECONDS
+                except _AWAY:
+                    looked, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait for it
+                if looked is not None and looked[0] is not None:
+                    return self._accept(looked[0])
+                await self._pause(deadline, recheck, timeout)
+        return self.record
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        """Yield the output in pieces as the worker publishes it (jobs submitted with
+        ``stream=True``; others yield their whole output at the end), then stop; the record is
+        then ``job.record`` (and ``await job.result()``). On timeout raise JobTimeout,
+        withdrawing the submitter's attached request, as cancelling the iterating task does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sent, full = "", True
+        with self._withdrawn_if_abandoned():
+            while self.record is None:
+                self._wake.clear()
+                fired, self._fired = self._fired, set()
+                try:
+                    text, found, recheck = await self._read_stream(full, fired)
+                except _AWAY:
+                    text, found, recheck = None, None, _RECONNECT_POLL
+                if found is not None:
+                    text = self._accept(found).output
+                if text and text.startswith(sent) and len(text) > len(sent):
+                    yield text[len(sent) :]
+                    sent = text
+                if found is not None:
+                    return
+                # Read everything after a quiet interval, or when the claim went away.
+                full = text is None or not await self._pause(deadline, recheck, timeout)
+
+    async def _read_stream(
+        self, full: bool, fired: set[str]
+    ) -> tuple[str | None, Result | None, float]:
+        """(partial output or None, the record if the job ended, recheck interval)."""
+        if full or fired - {self.claim_path}:
+            looked = await self._look(with_claim=True)
+            if looked is None:
+                return "", None, _RECHECK_SECONDS
+            record, partial = looked
+            return partial, record, _RECHECK_SECONDS
+        return await self._read_claim(), None, _RECHECK_SECONDS
+
+    async def _pause(self, deadline: float | None, recheck: float, timeout: float | None) -> bool:
+        """Wait for a watch or the recheck interval; True if a watch fired. Past the deadline
+        withdraw the submitter's attached request and raise JobTimeout."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            self.abandon()
+            raise self.timed_out(timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(recheck if remaining is None else min(remaining, recheck)):
+                await self._wake.wait()
+                return True
+        return False
+
+    async def _look(self, with_claim: bool) -> tuple[Result | None, str | None] | None:
+        """One pipelined read (watched): None while the job is unfinished and, with
+        ``with_claim``, not running; else (record or None, partial output or None)."""
+        zk, client, watch = self.client.zk, self.client, self._watch
+        # Entry before result: complete() deletes the one and creates the other in a single
+        # transaction, so "no entry, then no result" means nothing will come. The entry is
+        # watched with a get, which sets no watch on an entry already gone (an exists watch
+        # would outlive the job: one leaked watch per job in a long-lived client).
+        calls = [] if self.entry_path is None else [zk.get_async(self.entry_path, watch=watch)]
+        calls += [zk.exists_async(self.result_path, watch=watch), zk.get_async(self.result_path)]
+        claim = self.claim_path if with_claim else None
+        if claim is not None:
+            calls += [zk.exists_async(claim, watch=watch), zk.get_async(claim)]
+        done = [await _settled(client.wait(c)) for c in calls]
+        for value in done:
+            if isinstance(value, BaseException) and not isinstance(value, NoNodeError):
+                raise value
+        entry_alive = self.entry_path is None or not isinstance(done[0], NoNodeError)
+        at = 2 if self.entry_path is not None else 1
+        got = done[at]
+        if not isinstance(got, BaseException):
+            if done[at - 1] is not None:  # the watch went onto the existing result: take it back
+                remove_data_watch(zk, self.result_path, watch)
+            if claim is not None:  # and the one on the claim (gone with the job)
+                remove_data_watch(zk, claim, watch)
+            self._result_size = len(got[0])
+            what = f"result of job {self.id} ({self.result_path})"
+            return Result.from_bytes(got[0], what), None
+        if not entry_alive:
+            raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
+        if claim is None or isinstance(done[-1], BaseException):
+            return None
+        return None, _partial(done[-1][0])
+
+    async def _read_claim(self) -> str | None:
+        """The claim's partial output (watched again), or None if the claim is gone."""
+        if self.claim_path is None:
+            return None
+        try:
+            call = self.client.zk.get_async(self.claim_path, self._watch)
+            data, _ = await self.client.wait(call)
+        except NoNodeError:
+            return None
+        return _partial(data)
+
+    def _watch(self, event: WatchedEvent) -> None:
+        """Runs on kazoo's thread; one bound method per job, so kazoo keeps one watcher."""
+        self.client.handoff.call(self._fire, event.path)
+
+    def _fire(self, path: str) -> None:
+        self._fired.add(path)
+        self._wake.set()
+
+    def _accept(self, record: Result) -> Result:
+        if self.owned and not self.detach:  # read once; nobody else waits for it
+            client = self.client
+            claims.consume(client.zk, client.layout, self.queue, record, self._result_size)
+        self.record = record
+        return record
+
+    @contextlib.contextmanager
+    def _withdrawn_if_abandoned(self) -> Any:
+        """Map connection errors; withdraw the attached request if the waiting task is
+        cancelled (its caller has gone: no GPU time for an answer nobody reads)."""
+        try:
+            with mapped_errors(self.client.settings.hosts):
+                yield
+        except asyncio.CancelledError:
+            self.abandon()
+            raise
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """Withdraw the submitter's attached, unfinished request without waiting: the delete
+        is sent at once (safe in ``finally`` and on cancellation). Other handles: no-op."""
+        if self.record is None:
+            with contextlib.suppress(ZkqConnectionError):  # a closed client: its session is gone
+                self._drop_watches(self._watch)
+        if self.owned and not self.detach and self.record is None and self.entry_path:
+            # A closed client's session took its attached entries with it.
+            with contextlib.suppress(ZkqConnectionError):
+                self.client.zk.delete_async(self.entry_path)
+
+    async def withdraw(self) -> None:
+        """Delete the entry without a result: the caller no longer wants the answer."""
+        if self.entry_path is None:
+            return
+        with mapped_errors(self.client.settings.hosts), contextlib.suppress(NoNodeError):
+            await self.client.wait(self.client.zk.delete_async(self.entry_path))
+
+    async def cancel(self) -> bool:
+        """Cancel a pending or running job and record status cancelled. False if it had ended."""
+        if self.entry_path is None:
+            return False
+        zk, layout = self.client.zk, self.client.layout
+        assert self.entry is not None
+        with mapped_errors(self.client.settings.hosts):
+            claim_call = zk.get_async(layout.claim(self.queue, self.entry))
+            found = await self.client.maybe(zk.get_async(self.entry_path))
+            if found is None:
+                return False
+            await _settled(self.client.wait(claim_call))
+            running = ClaimBody.from_call(claim_call)
+            # On a pool thread: the multi may first create its expiry tick (a blocking call).
+            call = await self.client.blocking(
+                claims.cancel_async,
+                zk,
+                layout,
+                self.queue,
+                self.priority,
+                self.entry,
+                found[1],
+                running,
+            )
+            return not claims.transaction_failed(await self.client.wait(call))
+
+
+async def _settled(waiting: Any) -> Any:
+    """The awaited value, or the exception it raised (kazoo errors only; others propagate)."""
+    try:
+        return await waiting
+    except (NoNodeError, *TRANSIENT, ZkqConnectionError) as exc:
+        return exc
+
+
+def _partial(data: bytes) -> str:
+    try:
+        partial = json.loads(data).get("partial")
+    except (ValueError, AttributeError):
+        return ""
+    return partial if isinstance(partial, str) else ""

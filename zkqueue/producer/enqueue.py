@@ -1,0 +1,214 @@
+"""Creating pending entries exactly once, in order, even when the reply is lost with the
+connection.
+
+An entry goes into its priority's tail bucket, in a multi fenced by the version of the priority
+node that names the tail: a producer whose tail is stale (someone opened the next bucket) fails
+as a whole, reads the tail again and retries, so entries order exactly by (bucket, sequence). The
+producer whose entry fills a bucket opens the next one.
+
+After a ConnectionLoss a create may or may not have committed. The entry's name starts with the
+job id, so the producer waits (bounded) for the connection to come back and looks the id up
+before creating again: a retry never enqueues a job twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    NoNodeError,
+    RolledBackError,
+    SessionExpiredError,
+)
+
+from zkqueue import defaults
+from zkqueue.errors import ConfigurationError, ZkqConnectionError
+from zkqueue.plumbing.connection import ConnectionSettings, read_through_loss
+from zkqueue.protocol import arrival, claims, revision
+from zkqueue.protocol.layout import Layout
+from zkqueue.protocol.nodes import read_tail
+
+#: Creates per multi in create_many, and multis in flight at once.
+_MULTI_CREATES = 100
+_MULTIS_IN_FLIGHT = 8
+#: Tries when the tail keeps moving under us (every try reads it again).
+_STALE_TRIES = 50
+
+#: (job id, queue, priority, spec bytes) of one entry to create.
+Prepared = tuple[str, str, str, bytes]
+
+
+class Producer(Protocol):
+    """What the enqueuer needs of its client (``zkqueue.producer.client.Client`` is one)."""
+
+    @property
+    def zk(self) -> KazooClient: ...
+
+    layout: Layout
+    settings: ConnectionSettings
+
+    def find_entry(self, queue: str, priority: str, job_id: str) -> str | None: ...
+
+
+class _Stale(Exception):
+    """A multi failed its tail check (or its bucket is gone): read the tails again."""
+
+
+class Enqueuer:
+    """Creates entries for one client."""
+
+    def __init__(
+        self,
+        client: Producer,
+        bucket_size: int = defaults.PENDING_BUCKET,
+        signal_limit: int = defaults.SIGNAL_SPEC_BYTES,
+    ) -> None:
+        self.client = client
+        self.bucket_size = bucket_size
+        if signal_limit < 0:
+            raise ConfigurationError(f"signal_spec_bytes must be 0 or more, not {signal_limit}")
+        #: Specs up to this size ride in the arrival signal (zkqueue.protocol.arrival); 0: none do.
+        self.signal_limit = signal_limit
+        #: (queue, priority) -> (tail bucket, version of the priority node) as last read.
+        self._tails: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def _zk(self) -> KazooClient:
+        return self.client.zk
+
+    @property
+    def layout(self) -> Layout:
+        return self.client.layout
+
+    @property
+    def settings(self) -> ConnectionSettings:
+        return self.client.settings
+
+    def find(self, queue: str, priority: str, job_id: str) -> str | None:
+        return self.client.find_entry(queue, priority, job_id)
+
+    def tail(self, queue: str, priority: str) -> tuple[int, int]:
+        """The tail bucket and the priority node's version as last read (safe from several
+        threads: the asyncio client enqueues on pool threads)."""
+        found = self._tails.get((queue, priority))
+        if found is None:
+            try:
+                found = read_tail(self._zk(), self.layout, queue, priority)
+            except NoNodeError:  # the queue was deleted since this client made it: again
+                # (every directory: a delete under way may have left the others)
+                revision.ensure_dirs(self._zk(), self.layout, queue, all_of=True)
+                found = read_tail(self._zk(), self.layout, queue, priority)
+            self._tails[(queue, priority)] = found
+        return found
+
+    def _send(self, chunk: list[Prepared], ephemeral: bool) -> Any:
+        tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
+        order = sorted(tails)
+        checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in order]
+        buckets = [
+            (self.layout.bucket(q, p, tails[q, p][0]), self._signal(chunk, q, p)) for q, p in order
+        ]
+        entries = [
+            (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
+        ]
+        call = claims.enqueue_async(self._zk(), checks, buckets, entries, ephemeral)
+        return len(checks) + len(buckets), call
+
+    def _signal(self, chunk: list[Prepared], queue: str, priority: str) -> bytes:
+        """The arrival signal for one tail bucket: its one new entry, or empty for several."""
+        mine = [(jid, data) for jid, q, p, data in chunk if (q, p) == (queue, priority)]
+        return arrival.encode(*mine[0], self.signal_limit) if len(mine) == 1 else b""
+
+    def create_many(self, prepared: list[Prepared], ephemeral: bool) -> list[str | None]:
+        """Create every entry, ``_MULTI_CREATES`` to a multi, several multis in flight; returns
+        the names in order (None for a job that finished before a lost reply was recovered).
+        A multi whose reply is lost may have committed: its ids are looked up before anything
+        is created again."""
+        names: list[str | None] = []
+        chunks = [prepared[i : i + _MULTI_CREATES] for i in range(0, len(prepared), _MULTI_CREATES)]
+        for start in range(0, len(chunks), _MULTIS_IN_FLIGHT):
+            window = chunks[start : start + _MULTIS_IN_FLIGHT]
+            calls = [self._send(chunk, ephemeral) for chunk in window]
+            for chunk, call in zip(window, calls, strict=True):
+                try:
+                    names.extend(self._created(chunk, call, ephemeral))
+                except _Stale:
+                    names.extend(self._retry(chunk, ephemeral))
+        return names
+
+    def _retry(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
+        for _ in range(_STALE_TRIES):
+            try:
+                return self._created(chunk, self._send(chunk, ephemeral), ephemeral)
+            except _Stale:
+                continue
+        raise ZkqConnectionError("the tail bucket kept moving while enqueuing; try again")
+
+    def _created(self, chunk: list[Prepared], call: Any, ephemeral: bool) -> list[str | None]:
+        checks, pending = call
+        try:
+            outcome = pending.get()
+        except (ConnectionLoss, SessionExpiredError):
+            return self._recover(chunk, ephemeral)
+        errors = [r for r in outcome if isinstance(r, Exception)]
+        if errors:  # nothing was created; the first error that is not a rollback says why
+            first = next((e for e in errors if not isinstance(e, RolledBackError)), errors[0])
+            if isinstance(first, BadVersionError | NoNodeError):
+                for _, q, p, _ in chunk:
+                    self._tails.pop((q, p), None)
+                raise _Stale
+            raise first
+        paths = [str(path) for path in outcome[checks:]]
+        self._open_full(chunk, paths)
+        return [_relative(path) for path in paths]
+
+    def _open_full(self, chunk: list[Prepared], paths: list[str]) -> None:
+        """Open the next bucket of every priority whose tail bucket this chunk filled."""
+        full: set[tuple[str, str, int]] = set()
+        for (_, queue, priority, _), path in zip(chunk, paths, strict=True):
+            number, leaf = _relative(path).split("/")
+            if int(leaf.rsplit("-", 1)[1]) + 1 >= self.bucket_size:
+                full.add((queue, priority, int(number)))
+        for queue, priority, bucket in full:
+            tail, version = self.tail(queue, priority)
+            if bucket == tail:
+                claims.open_bucket(self._zk(), self.layout, queue, priority, tail, version)
+            self._tails.pop((queue, priority), None)
+
+    def _recover(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
+        """A multi whose reply was lost committed as a whole or not at all: look its ids up
+        once the connection is back (an entry, or a result if a worker already finished it)
+        and create them again only if none is there. None: finished before it was found."""
+        jid, queue, priority, _ = chunk[0]
+        first = read_through_loss(
+            self._zk(), self.settings, lambda: self.find(queue, priority, jid), "enqueuing"
+        )
+        names = [first, *(self.find(q, p, j) for j, q, p, _ in chunk[1:])]
+        zk = self._zk()
+        if any(names) or any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
+            return names
+        return self._retry(chunk, ephemeral)
+
+    def create(
+        self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
+    ) -> str | None:
+        """Create the entry exactly once: after a ConnectionLoss the create may have happened,
+        so wait for the connection to come back and look for the id before creating again.
+        None: the job was found already finished."""
+        try:
+            return self._retry([(job_id, queue, priority, data)], ephemeral)[0]
+        except ZkqConnectionError as exc:
+            # The create may have committed: give the caller the id to look it up by.
+            raise ZkqConnectionError(
+                f"{exc}; job {job_id} may or may not have been enqueued "
+                f"(check with: zkq status {job_id})",
+                job_id=job_id,
+            ) from None
+
+
+def _relative(path: str) -> str:
+    """An entry's name below its priority (``<bucket>/<id>-<seq>``) from its full path."""
+    head, leaf = path.rsplit("/", 1)
+    return f"{head.rsplit('/', 1)[1]}/{leaf}"

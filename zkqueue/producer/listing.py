@@ -1,0 +1,107 @@
+"""Listing a queue's jobs in dispatch order, page by page, and a job's place in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from zkqueue.errors import CorruptRecord
+from zkqueue.protocol import counts
+from zkqueue.protocol.jobpaths import PENDING, RUNNING
+from zkqueue.protocol.layout import EntryName, Layout
+from zkqueue.protocol.records import ClaimBody
+
+#: Entries whose stats are read in one pipelined page.
+_PAGE = 500
+
+
+def claimed(zk: KazooClient, layout: Layout, queue: str) -> set[str]:
+    """Ids of the running jobs (one claim per id; as many as busy worker slots)."""
+    try:
+        return set(zk.get_children(layout.claims(queue)))
+    except NoNodeError:
+        return set()
+
+
+def list_jobs(
+    zk: KazooClient, layout: Layout, queue: str, limit: int | None
+) -> list[dict[str, Any]]:
+    """Pending and running jobs in dispatch order, at most ``limit`` (None: all)."""
+    running = claimed(zk, layout, queue)
+    rows: list[dict[str, Any]] = []
+    position = 0
+    page: list[tuple[str, EntryName]] = []
+    for item in counts.in_order(zk, layout, queue):
+        if limit is not None and len(rows) + len(page) >= limit:
+            break
+        page.append(item)
+        if len(page) >= _PAGE:
+            position = _rows(zk, layout, queue, page, running, rows, position)
+            page = []
+    _rows(zk, layout, queue, page, running, rows, position)
+    return rows
+
+
+def _rows(
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    page: list[tuple[str, EntryName]],
+    running: set[str],
+    rows: list[dict[str, Any]],
+    position: int,
+) -> int:
+    stats = [zk.exists_async(layout.entry(queue, p, e.name)) for p, e in page]
+    claims = {
+        e.job_id: zk.get_async(layout.claim(queue, e.job_id))
+        for _, e in page
+        if e.job_id in running
+    }
+    for (priority, entry), stat_call in zip(page, stats, strict=True):
+        stat = stat_call.get()
+        if stat is None:
+            continue  # finished while we listed
+        row = {
+            "id": entry.job_id,
+            "queue": queue,
+            "priority": priority,
+            "attempts": stat.version,
+            "submitted_at": stat.ctime / 1000,
+        }
+        if entry.job_id in claims:
+            row.update(state=RUNNING, worker=_claim_worker(claims[entry.job_id]))
+        else:
+            position += 1
+            row.update(state=PENDING, position=position)
+        rows.append(row)
+    return position
+
+
+def position(zk: KazooClient, layout: Layout, queue: str, entry: str) -> int | None:
+    """About the 1-based place of ``entry`` among the unclaimed entries: entries in earlier
+    buckets counted from their stats, running jobs taken off."""
+    parsed = EntryName.parse(entry)
+    running = claimed(zk, layout, queue)
+    ahead = 0
+    for priority, pairs in counts.bucket_counts(zk, layout, queue).items():
+        for bucket, n in pairs:
+            if bucket == parsed.bucket and zk.exists(layout.entry(queue, priority, entry)):
+                own = counts.bucket_entries(zk, layout, queue, priority, bucket)
+                mine = sum(1 for e in own if e.job_id in running)
+                waiting = [e for e in own if e.order < parsed.order and e.job_id not in running]
+                return max(1, ahead - (len(running) - mine) + len(waiting) + 1)
+            ahead += n
+    return None
+
+
+def _claim_worker(call: Any) -> str | None:
+    try:
+        data, _ = call.get()
+    except NoNodeError:
+        return None
+    try:
+        return ClaimBody.from_bytes(data).worker
+    except CorruptRecord:
+        return "?"  # the listing shows the job as running; `zkq status` names the bad node
