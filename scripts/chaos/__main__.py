@@ -1,5 +1,7 @@
-"""zkq chaos run: every fault-injection scenario, then a RELIABILITY.md-style report (written to
---out: chaos-results/RELIABILITY.md unless told otherwise).
+"""zkq chaos run: every fault-injection scenario, then a report of the run (written to --out:
+chaos-results/RELIABILITY.md unless told otherwise) in the layout of RELIABILITY.md's scenario
+sections; RELIABILITY.md's table of current outcomes collects the newest of each from such
+reports.
 
 Real ZooKeeper servers, real worker processes, all on loopback. From the repository root:
 
@@ -321,7 +323,7 @@ def markdown(reports: list[ChaosReport], argv: list[str], elapsed: float) -> str
         "waits for the queue to drain and audits it: every submitted job's result, entries or "
         "claims left behind, results nobody submitted, and results written twice (each result "
         "bucket's `cversion` counts every create and delete of a result in it, so a second "
-        "answer cannot hide). Layout: protocol version 2 (docs/PROTOCOL.md).",
+        "answer cannot hide). Layout: protocol revision 2 (docs/PROTOCOL.md).",
         "",
         f"Reproduce: `{command(argv)}` (whole run {elapsed:.0f} s on {environment()}). "
         "The same scenarios at small sizes run in the tests: "

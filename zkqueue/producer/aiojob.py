@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kazoo.exceptions import NoNodeError
@@ -49,6 +49,8 @@ class LoopClient(Protocol):
 
     async def wait(self, call: IAsyncResult, timeout: float | None = None) -> Any: ...
 
+    async def blocking(self, func: Callable[..., Any], *args: Any) -> Any: ...
+
     async def maybe(self, call: IAsyncResult) -> Any: ...
 
 
@@ -64,18 +66,9 @@ class AsyncJob(JobPaths):
     request (on timeout, or when the task waiting on it is cancelled) and removes an attached
     result once read."""
 
-    def __init__(
-        self,
-        client: LoopClient,
-        job_id: str,
-        queue: str,
-        priority: str,
-        entry: str | None = None,
-        *,
-        detach: bool = True,
-        owned: bool = False,
-    ) -> None:
-        super().__init__(client, job_id, queue, priority, entry, detach=detach, owned=owned)
+    client: LoopClient
+
+    def _start(self) -> None:
         self.record: Result | None = None
         self._wake = asyncio.Event()
         self._fired: set[str] = set()

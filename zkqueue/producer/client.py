@@ -246,7 +246,7 @@ class Client(ClientBase):
                     return found
             dead = dead_result(self.dead(queue), job_id)
             if dead is not None:  # known only by its dead letter (its result is gone)
-                return Job(self, job_id, dead.queue, dead.priority, result=dead)
+                return Job.ended(self, job_id, dead.queue, dead.priority, dead)
         raise JobNotFound(f"no job {job_id}" + (f" in queue {queue!r}" if queue else ""))
 
     def queue_names(self) -> list[str]:

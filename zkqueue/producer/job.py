@@ -57,25 +57,22 @@ class Job(JobPaths):
     """A job by id. ``owned`` marks the submitter's handle: only it withdraws an attached request
     on timeout and removes an attached result once read."""
 
-    def __init__(
-        self,
-        client: Owner,
-        job_id: str,
-        queue: str,
-        priority: str,
-        entry: str | None = None,
-        *,
-        detach: bool = True,
-        owned: bool = False,
-        result: Result | None = None,
-    ) -> None:
-        super().__init__(client, job_id, queue, priority, entry, detach=detach, owned=owned)
+    client: Owner
+
+    @classmethod
+    def ended(cls, client: Owner, job_id: str, queue: str, priority: str, record: Result) -> Job:
+        """A handle on a job whose result is already known (read from a dead letter)."""
+        job = cls(client, job_id, queue, priority)
+        job._result = record
+        return job
+
+    def _start(self) -> None:
         #: Submitted with a job id that was already known: this handle is the earlier job's.
         self.existing = False
         #: Keep an attached result once read (by default the caller consumes it).
         self.keep_result = False
         self._withdrawn = False
-        self._result = result
+        self._result: Result | None = None
         #: Set by this handle's one watch callable (kazoo keeps watchers in sets: re-arming the
         #: same callable never stacks, and it can be taken back when the wait ends).
         self._fired = threading.Event()

@@ -41,6 +41,10 @@ class JobPaths:
         self.owned = owned
         #: Bytes of the result record as read (for the consumer's accounting).
         self._result_size = 0
+        self._start()
+
+    def _start(self) -> None:
+        """Each face's own waiting state: how it waits is all the faces differ in."""
 
     def __repr__(self) -> str:
         name, fields = type(self).__name__, (self.id, self.queue, self.priority)
