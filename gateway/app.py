@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -98,7 +99,9 @@ class Gateway:
         started = time.monotonic()
         key = self._authorize(request)
         job_request = fmt.parse(kind, await _json(request), self.config.max_tokens)
-        priority = self._priority(request, key)
+        priority = self._priority(request, key, job_request.asked_priority)
+        if job_request.tier is not None:  # the answer names the tier the job ran at
+            job_request = replace(job_request, tier=fmt.TIER_OF[priority])
         timeout = self._timeout(request)
         queue = await self.pools.queue_for(job_request.model)
         release = self._hold(key)
@@ -205,8 +208,14 @@ class Gateway:
             raise ApiError(401, "invalid or missing API key", AUTH, "invalid_api_key")
         return key
 
-    def _priority(self, request: Request, key: ApiKey | None) -> str:
+    def _priority(self, request: Request, key: ApiKey | None, in_body: str | None = None) -> str:
+        """X-Priority (refused above the key's maximum), else the body's ``priority`` or
+        ``service_tier`` (capped at the key's maximum), else the key's default."""
         asked = request.headers.get("x-priority")
+        if asked is None and in_body is not None:
+            if key is not None and not key.allows(in_body):
+                return key.max_priority
+            return in_body
         if asked is None:
             return key.priority if key is not None else defaults.PRIORITY
         priority = asked.strip().lower()

@@ -4,6 +4,12 @@ A request field is either supported (mapped onto the job), or accepted only with
 value (``n: 1``, ``presence_penalty: 0``...), or refused with a 400 that names it: nothing is
 silently ignored. ``user`` is metadata and accepted as is. ``min_tokens`` and ``ignore_eos`` are
 accepted as in vLLM's server (job fields ``min_new_tokens`` and ``ignore_eos``).
+
+A request's priority may come in the body, two ways (``X-Priority`` wins over both, and vLLM's
+field over OpenAI's): OpenAI's ``service_tier`` (``TIERS``: ``priority`` is high, ``default``
+normal, ``flex`` low; ``auto`` leaves the key's default) and vLLM's integer ``priority`` (lower
+runs first: below 0 is high, 0 normal, above 0 low). The gateway caps either at the key's
+``max_priority`` and, where ``service_tier`` was asked, says in the answer the tier it used.
 """
 
 from __future__ import annotations
@@ -18,7 +24,22 @@ from zkqueue.protocol.result import Result
 CHAT = "chat.completion"
 TEXT = "text_completion"
 
-_COMMON = {"model", "stream", "stream_options", "user", "temperature", "top_p", "seed", "stop"}
+_COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "user",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "service_tier",
+    "priority",
+}
+#: OpenAI's service tiers and the priorities they ask for (``auto``: the key's default).
+TIERS = {"priority": "high", "default": "normal", "flex": "low", "auto": None}
+#: The tier an answer names for the priority a job ran at.
+TIER_OF = {"high": "priority", "normal": "default", "low": "flex"}
 _SUPPORTED = {
     CHAT: _COMMON | {"messages", "max_tokens", "max_completion_tokens", "min_tokens", "ignore_eos"},
     TEXT: _COMMON | {"prompt", "max_tokens", "min_tokens", "ignore_eos"},
@@ -42,7 +63,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "store": (None, False),
     "metadata": (None, {}),
-    "service_tier": (None, "auto", "default"),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -60,6 +80,10 @@ class JobRequest:
     params: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    #: The priority the body asked for (``service_tier`` or ``priority``), None: the default.
+    asked_priority: str | None = None
+    #: The service tier the answer names: set when the body asked for one.
+    tier: str | None = None
 
     def job_args(self) -> dict[str, Any]:
         """Keyword arguments of ``AsyncClient.submit`` (priority and queue apart)."""
@@ -91,7 +115,24 @@ def parse(kind: str, body: Any, default_max_tokens: int) -> JobRequest:
         params=_params(body),
         stream=stream,
         include_usage=_include_usage(body.get("stream_options"), stream),
+        asked_priority=_asked_priority(body),
+        tier="asked" if body.get("service_tier") is not None else None,
     )
+
+
+def _asked_priority(body: dict[str, Any]) -> str | None:
+    """The priority the body asks for: vLLM's ``priority``, else OpenAI's ``service_tier``."""
+    value = body.get("priority")
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid("priority must be an integer (lower runs first)", "priority")
+        return "high" if value < 0 else "normal" if value == 0 else "low"
+    tier = body.get("service_tier")
+    if tier is None:
+        return None
+    if tier not in TIERS:
+        raise invalid(f"service_tier must be one of {', '.join(TIERS)}", "service_tier")
+    return TIERS[tier]
 
 
 def _refuse_unsupported(kind: str, body: dict[str, Any]) -> None:
@@ -234,7 +275,12 @@ def completion(request: JobRequest, job_id: str, record: Result, created: int) -
         "model": request.model,
         "choices": [{**choice, "finish_reason": reason}],
         "usage": usage(record),
+        **_tier(request),
     }
+
+
+def _tier(request: JobRequest) -> dict[str, str]:
+    return {"service_tier": request.tier} if request.tier is not None else {}
 
 
 def chunk(
@@ -260,6 +306,7 @@ def chunk(
         "created": created,
         "model": request.model,
         "choices": [{**choice, "finish_reason": finish}],
+        **_tier(request),
     }
 
 

@@ -249,3 +249,47 @@ def test_a_request_open_past_the_drain_timeout_is_answered_503(
     assert answers[0].json()["error"]["code"] == "shutting_down"
     wait_for(lambda: pending_names(client) == [], message="the job withdrawn")
     gate.gate.set()
+
+
+def test_service_tier_and_priority_fields_choose_the_band(served, client: Client) -> None:
+    """OpenAI's service_tier and vLLM's integer priority pick the job's priority, capped at the
+    key's maximum; an answer to a request that named a tier names the tier it ran at."""
+    keys = (
+        ApiKey(key="sk-batch-000", name="batch", priority="low", max_priority="normal"),
+        ApiKey(key="sk-open-0000", name="open", priority="normal", max_priority="high"),
+    )
+    gw = served(config=GatewayConfig(keys=keys))
+    open_key, batch = gw.openai("sk-open-0000"), gw.openai("sk-batch-000")
+    hello = [{"role": "user", "content": "x"}]
+
+    def ask(api: openai.OpenAI, **fields: Any) -> tuple[str, Any]:
+        chat = api.chat.completions.with_raw_response
+        raw = chat.create(model="default", messages=hello, **fields)  # type: ignore[arg-type]
+        return raw.headers["x-zkq-priority"], raw.parse()
+
+    priority, answer = ask(open_key, service_tier="priority")
+    assert (priority, answer.service_tier) == ("high", "priority")
+    assert ask(open_key, service_tier="flex")[0] == "low"
+    assert ask(open_key, service_tier="default")[1].service_tier == "default"
+    assert ask(open_key, service_tier="auto")[0] == "normal"  # the key's default
+    assert ask(batch, service_tier="auto")[0] == "low"
+    assert ask(open_key, extra_body={"priority": -5})[0] == "high"
+    assert ask(open_key, extra_body={"priority": 3})[0] == "low"
+    assert ask(open_key, extra_body={"priority": 0}, service_tier="flex")[0] == "normal"
+    capped, answer = ask(batch, service_tier="priority")  # the key's max: normal
+    assert (capped, answer.service_tier) == ("normal", "default")
+    assert ask(batch, extra_body={"priority": -1})[0] == "normal"
+    headed = ask(open_key, service_tier="flex", extra_headers={"X-Priority": "high"})
+    assert headed[0] == "high"  # the header wins
+    assert ask(open_key)[1].service_tier is None  # not asked: not named
+    text = open_key.completions.with_raw_response.create(
+        model="default", prompt="x", extra_body={"service_tier": "flex"}
+    )
+    assert text.http_response.json()["service_tier"] == "flex"
+    stream = open_key.chat.completions.create(
+        model="default", messages=hello, service_tier="flex", stream=True
+    )  # type: ignore[call-overload]
+    assert {c.service_tier for c in stream} == {"flex"}
+    for body in ({"service_tier": "scale"}, {"priority": "high"}):
+        with pytest.raises(openai.BadRequestError):
+            open_key.chat.completions.create(model="default", messages=hello, extra_body=body)
