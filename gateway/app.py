@@ -100,7 +100,7 @@ class Gateway:
         key = self._authorize(request)
         job_request = fmt.parse(kind, await _json(request), self.config.max_tokens)
         priority = self._priority(request, key, job_request.asked_priority)
-        if job_request.tier is not None:  # the answer names the tier the job ran at
+        if job_request.names_tier:  # the answer names the tier the job ran at
             job_request = replace(job_request, tier=fmt.TIER_OF[priority])
         timeout = self._timeout(request)
         queue = await self.pools.queue_for(job_request.model)

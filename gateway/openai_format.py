@@ -82,7 +82,9 @@ class JobRequest:
     include_usage: bool = False
     #: The priority the body asked for (``service_tier`` or ``priority``), None: the default.
     asked_priority: str | None = None
-    #: The service tier the answer names: set when the body asked for one.
+    #: Whether the body named a service tier: then the answer names the one the job ran at.
+    names_tier: bool = False
+    #: That tier (set by the gateway once it has chosen the priority).
     tier: str | None = None
 
     def job_args(self) -> dict[str, Any]:
@@ -116,7 +118,7 @@ def parse(kind: str, body: Any, default_max_tokens: int) -> JobRequest:
         stream=stream,
         include_usage=_include_usage(body.get("stream_options"), stream),
         asked_priority=_asked_priority(body),
-        tier="asked" if body.get("service_tier") is not None else None,
+        names_tier=body.get("service_tier") is not None,
     )
 
 

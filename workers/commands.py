@@ -91,21 +91,21 @@ _MAX_RESULT_BYTES = click.option(
 @click.option(
     "--upstream-max-waiting",
     type=click.IntRange(min=0),
-    default=0,
+    default=defaults.UPSTREAM_MAX_WAITING,
     show_default=True,
     help="Claim only while the server's waiting queue holds at most N (from its /metrics).",
 )
 @click.option(
     "--upstream-max-kv-use",
     type=click.FloatRange(0, 1, min_open=True),
-    default=0.9,
+    default=defaults.UPSTREAM_MAX_KV_USE,
     show_default=True,
     help="Claim only while the server's KV-cache use is below this (from its /metrics).",
 )
 @click.option(
     "--upstream-timeout",
     type=SECONDS,
-    default=120.0,
+    default=defaults.UPSTREAM_TIMEOUT,
     show_default=True,
     help="Seconds without a byte from the server before a request counts as its failure.",
 )

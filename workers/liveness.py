@@ -24,7 +24,7 @@ from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, RunningJob
 from zkqueue.plumbing.connection import TRANSIENT
 from zkqueue.protocol.claims import Claim, Claims
-from zkqueue.protocol.registry import Registry
+from zkqueue.protocol.registry import Registry, WorkerRecord
 
 log = logging.getLogger("zkq.worker")
 
@@ -42,7 +42,10 @@ class Liveness:
         *,
         lease: float,
         heartbeat_interval: float,
+        runner_figures: Callable[[WorkerRecord], None] | None = None,
     ) -> None:
+        """``runner_figures`` fills the record's runner figures before each heartbeat (a worker
+        in front of an inference server: its gate and the server's figures)."""
         self.claims = claims
         self.registry = registry
         self.admission = admission
@@ -50,6 +53,7 @@ class Liveness:
         self.held = held
         self.lease = lease
         self.heartbeat_interval = heartbeat_interval
+        self.runner_figures = runner_figures
         #: The connection is suspended (or a call just failed with it): claim nothing.
         self.suspended = False
         #: The session is gone until the next CONNECTED.
@@ -142,6 +146,8 @@ class Liveness:
         record.running = [j.id for j in self.held.values()]
         record.completed, record.failed, record.preempted = stats
         record.memory = self.cache_figures()
+        if self.runner_figures is not None:
+            self.runner_figures(record)
         self.metrics.slots(len(self.held), slots)
         if self.admission.pages_total is not None:
             self.metrics.cache(self.admission.pages_total, self.admission.promised)

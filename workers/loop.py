@@ -130,6 +130,7 @@ class Worker:
             self.held,
             lease=opts.lease,
             heartbeat_interval=opts.heartbeat_interval,
+            runner_figures=self._runner_figures,
         )
         #: The dispatch gate of a runner in front of an inference server (None: slots alone).
         gate = getattr(runner, "gate", None)
@@ -173,7 +174,7 @@ class Worker:
         self.zk.add_listener(self._on_state)
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()
-        self._engine_figures()
+        self._runner_figures(self.registry.record)
         self.registry.register(wait=self.registry.session_lifetime())
         self.bridge.start()
         self.state = State.RUNNING
@@ -212,8 +213,6 @@ class Worker:
     def _periodic(self) -> None:
         live = self.liveness
         counts = (self.stats.completed, self.stats.failed, self.stats.preempted)
-        if live.next_heartbeat <= time.monotonic():
-            self._engine_figures()
         beat = live.maybe_heartbeat(self.state, counts, self.slots)
         if beat and self.line.recheck():  # the head: is its place still there?
             self.view.poll()  # entries created without the arrival signal
@@ -395,11 +394,11 @@ class Worker:
             return True
         return gate.up and (self.slots - self.busy <= 0 or gate.server_busy)
 
-    def _engine_figures(self) -> None:
+    def _runner_figures(self, record: WorkerRecord) -> None:
         """The server's figures and the gate's state, for the registration's ``engine``."""
         if self.gate is not None:
-            self.registry.record.engine = self.gate.record()
-            self.registry.record.runner_info = describe(self.runner)  # a late server's model
+            record.engine = self.gate.record()
+            record.runner_info = describe(self.runner)  # a late server's model
 
     def _room_after(self) -> bool:
         return self.opts.max_jobs is None or self._stats.claimed < self.opts.max_jobs

@@ -74,11 +74,11 @@ class WorkerOptions:
     #: Send each job's priority as vLLM's per-request ``priority`` field.
     upstream_priority: bool = False
     #: Claim while the server's waiting queue holds at most this many requests...
-    upstream_max_waiting: int = 0
+    upstream_max_waiting: int = defaults.UPSTREAM_MAX_WAITING
     #: ... and its KV-cache use is below this fraction (where it publishes them).
-    upstream_max_kv_use: float = 0.9
+    upstream_max_kv_use: float = defaults.UPSTREAM_MAX_KV_USE
     #: Seconds without a byte from the server before a request counts as the server's failure.
-    upstream_timeout: float = 120.0
+    upstream_timeout: float = defaults.UPSTREAM_TIMEOUT
 
     # -- what the daemon adds -----------------------------------------------------------------
     #: Take part in the janitor's election (one active janitor per cluster).

@@ -121,12 +121,6 @@ class InferenceServer:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def cpu_seconds(self) -> float:
-        """CPU time the server process has used (user + system), from /proc."""
-        assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -72,3 +72,10 @@ PREEMPT_PER_MINUTE = 60
 HEARTBEAT_INTERVAL = 2.0
 DRAIN_TIMEOUT = 60.0
 ECHO_DELAY = 0.0
+#: A worker in front of an inference server (workers.runners.gate) claims while the server's
+#: waiting queue holds at most UPSTREAM_MAX_WAITING requests and its KV-cache use is below
+#: UPSTREAM_MAX_KV_USE; a request with no byte from the server for UPSTREAM_TIMEOUT seconds
+#: counts as the server's failure.
+UPSTREAM_MAX_WAITING = 0
+UPSTREAM_MAX_KV_USE = 0.9
+UPSTREAM_TIMEOUT = 120.0

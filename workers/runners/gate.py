@@ -33,20 +33,19 @@ thread; ``on_change`` (set by the worker) is called when the gate may have opene
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-#: Default thresholds: claim while the server's waiting queue is at most this long...
-MAX_WAITING = 0
-#: ... and its KV-cache use is below this fraction.
-MAX_KV_USE = 0.9
+from zkqueue import defaults
+
 #: Jobs a reading of the server's metrics lets the worker claim at least (see ``allowance``).
 BURST = 16
 
@@ -127,7 +126,11 @@ class GateState(enum.StrEnum):
 class Gate:
     """The gate's state; the runner feeds it readings and faults, the worker loop asks it."""
 
-    def __init__(self, max_waiting: int = MAX_WAITING, max_kv_use: float = MAX_KV_USE) -> None:
+    def __init__(
+        self,
+        max_waiting: int = defaults.UPSTREAM_MAX_WAITING,
+        max_kv_use: float = defaults.UPSTREAM_MAX_KV_USE,
+    ) -> None:
         self.max_waiting = max_waiting
         self.max_kv_use = max_kv_use
         #: Called (from the runner's thread) when the gate's state changed.
@@ -175,13 +178,10 @@ class Gate:
     def claimed(self, jobs: int) -> None:
         """The worker claimed ``jobs``: they use up the allowance of the current reading."""
         if jobs > 0:
-            with self._lock:
-                before = self._state()
+            with self._changing():
                 self._claimed_at = time.monotonic()
                 if self._allowance is not None:
                     self._allowance = max(0, self._allowance - jobs)
-                after = self._state()
-            self._changed(before, after)
 
     def record(self) -> dict[str, Any]:
         """The registration's ``engine`` figures."""
@@ -205,45 +205,33 @@ class Gate:
         """A reading of the server's metrics (None: it publishes none), asked for at
         ``asked_at`` (monotonic seconds; None: now)."""
         asked = time.monotonic() if asked_at is None else asked_at
-        with self._lock:
-            before = self._state()
+        with self._changing():
             self._figures = figures
             self._stale = False
             if figures is None:
                 self._allowance = None
             elif asked >= self._claimed_at:
                 self._allowance = allowance(figures)
-            after = self._state()
-        self._changed(before, after)
 
     def stale(self) -> None:
         """A reading failed while the server answers otherwise: busy until one succeeds."""
-        with self._lock:
-            before = self._state()
+        with self._changing():
             self._stale = self._figures is not None
-            after = self._state()
-        self._changed(before, after)
 
     def down(self, reason: str) -> bool:
         """The server failed a request or a reading; returns whether it was up until now."""
-        with self._lock:
-            before = self._state()
+        with self._changing():
             was_up = self._down is None
             if was_up:
                 self._down = reason
                 self._down_since = time.time()
                 self.downs += 1
-            after = self._state()
-        self._changed(before, after)
         return was_up
 
     def healthy(self) -> None:
         """The server's health check passed."""
-        with self._lock:
-            before = self._state()
+        with self._changing():
             self._down = None
-            after = self._state()
-        self._changed(before, after)
 
     def _over(self) -> bool:
         figures = self._figures
@@ -262,9 +250,14 @@ class Gate:
             return GateState.BUSY
         return GateState.OPEN
 
-    def _changed(self, before: GateState, after: GateState) -> None:
-        """Wake the worker on any change: an open gate lets it claim, a shut one makes it
-        leave the line at once."""
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Change the state under the lock; then, if the gate's state moved, wake the worker
+        (outside the lock): an open gate lets it claim, a shut one makes it leave the line."""
+        with self._lock:
+            before = self._state()
+            yield
+            after = self._state()
         if after != before and self.on_change is not None:
             self.on_change()
 

@@ -42,7 +42,8 @@ import httpx
 
 from workers.calibration import Slots
 from workers.runners.base import Done, Outcome, RunningJob
-from workers.runners.gate import MAX_KV_USE, MAX_WAITING, Gate, parse_metrics
+from workers.runners.gate import Gate, parse_metrics
+from zkqueue import defaults
 from zkqueue.errors import ConfigurationError
 from zkqueue.protocol.result import Status
 from zkqueue.protocol.spec import JobSpec
@@ -74,10 +75,10 @@ class UpstreamSettings:
     api_key: str | None = None
     #: Send each job's priority as vLLM's ``priority`` field (``PRIORITY_VALUES``).
     send_priority: bool = False
-    max_waiting: int = MAX_WAITING
-    max_kv_use: float = MAX_KV_USE
+    max_waiting: int = defaults.UPSTREAM_MAX_WAITING
+    max_kv_use: float = defaults.UPSTREAM_MAX_KV_USE
     #: Seconds without a byte from the server before a request counts as failed by the server.
-    timeout: float = 120.0
+    timeout: float = defaults.UPSTREAM_TIMEOUT
     #: Seconds a connection may take to open.
     connect_timeout: float = 5.0
 
@@ -294,18 +295,17 @@ class UpstreamRunner:
             if m.get("id") == self.model and m.get("owned_by"):
                 self.owned_by = str(m["owned_by"])
 
-    def _take_metrics(self, answer: httpx.Response, asked_at: float | None = None) -> bool:
-        """Feed a reading to the gate; returns whether it was one. The first answer decides
-        whether the server publishes metrics at all; after that, an answer without figures
-        (a 503 from a proxy, a page cut short) shuts the gate until a reading succeeds."""
+    def _take_metrics(self, answer: httpx.Response, asked_at: float | None = None) -> None:
+        """Feed a reading to the gate. Until the server has shown figures, an answer decides
+        whether it publishes metrics at all; after that, an answer without figures (a 503 from
+        a proxy, a page cut short) shuts the gate until a reading succeeds."""
         figures = parse_metrics(answer.text) if answer.status_code == 200 else None
-        if self.metrics is None or not self.metrics:
+        if not self.metrics:
             self.metrics = figures is not None
         elif figures is None:
             self.gate.stale()
-            return False
+            return
         self.gate.reading(figures, asked_at)
-        return True
 
     def _headers(self) -> dict[str, str]:
         key = self.settings.api_key

@@ -43,10 +43,6 @@ class Client(ClientBase):
     ``Client(hosts, root, **options)``: the options are
     ``zkqueue.producer.clientbase.ClientOptions``."""
 
-    #: Whether this client has checked the root's layout version (once per client).
-    _protocol_checked = False
-    _limits: Limits | None = None
-
     def __init__(
         self,
         hosts: str = defaults.HOSTS,
@@ -55,6 +51,9 @@ class Client(ClientBase):
     ) -> None:
         super().__init__(hosts, root, **options)
         self._enqueue = Enqueuer(self, signal_limit=self.signal_spec_bytes)
+        #: Whether this client has checked the root's protocol revision (once per client).
+        self._protocol_checked = False
+        self._limits: Limits | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
