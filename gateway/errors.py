@@ -17,6 +17,7 @@ from zkqueue.errors import (
     JobTimeout,
     JobWithdrawn,
     QueueFull,
+    StreamInterrupted,
     ZkqConnectionError,
     ZkqError,
 )
@@ -78,6 +79,8 @@ def from_zkq(exc: ZkqError, retry_after: int) -> ApiError:
         return ApiError(503, f"the queue is unavailable: {exc}", UNAVAILABLE, "zookeeper")
     if isinstance(exc, JobWithdrawn):
         return ApiError(503, str(exc), UNAVAILABLE, "withdrawn")
+    if isinstance(exc, StreamInterrupted):
+        return ApiError(502, str(exc), SERVER, "stream_interrupted")
     return ApiError(500, f"internal error: {exc}", SERVER, "internal")
 
 

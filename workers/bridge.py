@@ -1,6 +1,7 @@
 """The runner bridge: hands each claimed job to the runner at once, watches its entry while it
-runs (a cancel, a withdrawal or a reclaim stops it), publishes streaming output, and turns the
-runner's reports into loop events.
+runs (a cancel, a withdrawal or a reclaim stops it), hands streaming output to the job's readers
+(through the worker's stream server, ``workers.streams``, or else through the job's claim), and
+turns the runner's reports into loop events.
 
 Watches and the runner's ``done`` calls arrive on other threads; they only post events to the
 loop. Everything that touches ZooKeeper state runs on the loop's thread.
@@ -18,7 +19,8 @@ from kazoo.client import KazooClient
 from kazoo.protocol.states import EventType, WatchedEvent
 
 from workers.events import Event
-from workers.runners.base import CancelReason, Runner, RunningJob
+from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
+from workers.streams import StreamServer
 from zkqueue import defaults
 from zkqueue.plumbing.logs import job_context
 from zkqueue.plumbing.watches import remove_data_watch
@@ -39,8 +41,11 @@ class RunnerBridge:
         held: dict[str, RunningJob],
         post: Callable[..., None],
         worker_id: str,
+        streams: StreamServer | None = None,
     ) -> None:
         self.zk = zk
+        #: Serves streaming jobs' output to their readers directly (None: claims only).
+        self.streams = streams
         self.runner = runner
         self.claims = claims
         self.held = held
@@ -68,6 +73,8 @@ class RunnerBridge:
         jobs = sorted(jobs, key=lambda job: _RANK[job.priority])
         for job in jobs:
             self.held[self.key(job)] = job
+            if self.streams is not None and job.spec.stream:
+                self.streams.open(job)
             self.runner.submit(job)
             log.info("claimed (attempt %d)", job.attempts, extra=self.context(job))
             self._unwatched.append((now + defaults.ENTRY_WATCH_DELAY, job))
@@ -119,9 +126,9 @@ class RunnerBridge:
             job.cancel(CancelReason.FENCED)
 
     def publish(self) -> list[RunningJob]:
-        """Write streaming jobs' output so far into their claims' bodies, at most every
-        STREAM_INTERVAL seconds and only when it changed; returns the jobs to renew (the renewal
-        writes the bodies)."""
+        """Write the output so far of streaming jobs no direct reader takes into their claims'
+        bodies, at most every STREAM_INTERVAL seconds and only when it changed; returns the
+        jobs to renew (the renewal writes the bodies)."""
         streaming = [
             j for j in self.held.values() if j.spec.stream and j.cancel_reason is None and j.claim
         ]
@@ -132,6 +139,9 @@ class RunnerBridge:
         if now < self.next_publish:
             return []
         self.next_publish = now + defaults.STREAM_INTERVAL
+        if self.streams is not None:
+            streams = self.streams
+            streaming = [j for j in streaming if not streams.served(j)]
         changed = []
         for job in streaming:
             text = job.partial_text()
@@ -165,9 +175,16 @@ class RunnerBridge:
             if watch is not None:
                 remove_data_watch(self.zk, self._entry(job), watch)
 
+    def ended(self, job: RunningJob, outcome: Outcome) -> None:
+        """The runner reported the job's outcome: its readers get the end of its output."""
+        if self.streams is not None:
+            self.streams.end(job, outcome)
+
     def forget(self, job: RunningJob) -> None:
         """The job ended (the loop no longer holds it)."""
         self._watches.pop(self.key(job), None)
+        if self.streams is not None:
+            self.streams.end(job)  # stopped without an outcome (lost, released): say so
         self._advance()
 
     def _watch(self, job: RunningJob) -> Callable[[WatchedEvent], None]:

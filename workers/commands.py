@@ -188,6 +188,27 @@ _MAX_RESULT_BYTES = click.option(
     help="Preemptions this worker makes in any minute at most.",
 )
 @click.option(
+    "--stream/--no-stream",
+    default=True,
+    show_default=True,
+    help="Serve streaming jobs' tokens to their readers directly, as they are generated "
+    "(off: through the jobs' claims in ZooKeeper, about 4 times a second).",
+)
+@click.option(
+    "--stream-bind",
+    default="0.0.0.0:0",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Where the stream server listens (port 0: any free port).",
+)
+@click.option(
+    "--stream-advertise",
+    default=None,
+    metavar="HOST[:PORT]",
+    help="The address readers use to reach the stream server [default: the address this host "
+    "reaches ZooKeeper from].",
+)
+@click.option(
     "--janitor/--no-janitor",
     default=True,
     show_default=True,
@@ -240,8 +261,11 @@ def worker(ctx: click.Context, quiet: bool, **options: Any) -> None:
     config = options.pop("config")
     if config is not None:
         apply_config(ctx, options, config)
+    settings = connection_settings(ctx)
     opts = WorkerOptions(root=ctx.obj["root"], **options)
-    sys.exit(run_worker(connection_settings(ctx), opts))
+    if settings.tls_cert and settings.tls_key:  # streams use the ensemble's TLS, if it has it
+        opts.stream_tls = (settings.tls_cert, settings.tls_key)
+    sys.exit(run_worker(settings, opts))
 
 
 def _worker_log_level(ctx: click.Context, quiet: bool) -> None:

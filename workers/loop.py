@@ -31,6 +31,7 @@ from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from workers.runners.gate import Gate
 from workers.stats import WorkerStats
+from workers.streams import StreamServer
 from zkqueue.dispatch.line import Line
 from zkqueue.dispatch.view import PendingView
 from zkqueue.plumbing.connection import TRANSIENT
@@ -99,7 +100,15 @@ class Worker:
             self.queue,
             opts.max_attempts,
         )
-        self.bridge = RunnerBridge(zk, runner, self.claims, self.held, self._post, self.id)
+        #: The data plane: streaming jobs' output straight to their readers (None: claims only).
+        self.streams = (
+            StreamServer(opts.stream_bind, opts.stream_advertise, zk.hosts, opts.stream_tls)
+            if opts.stream
+            else None
+        )
+        self.bridge = RunnerBridge(
+            zk, runner, self.claims, self.held, self._post, self.id, self.streams
+        )
         policy = PreemptionPolicy(opts.preempt, opts.preempt_protect, opts.preempt_per_minute)
         self.preemption = Preemption(
             zk,
@@ -176,6 +185,8 @@ class Worker:
         self.registry.record.memory = self.liveness.cache_figures()
         self._runner_figures(self.registry.record)
         self.registry.register(wait=self.registry.session_lifetime())
+        if self.streams is not None:
+            self.claims.streams = self.streams.start()
         self.bridge.start()
         self.state = State.RUNNING
         self.registry.record.state = self.state
@@ -367,6 +378,7 @@ class Worker:
             return  # already ended (a lost session dropped it)
         if outcome.release and job.cancel_reason is None:
             job.cancel_reason = CancelReason.RELEASED
+        self.bridge.ended(job, outcome)
         self.completer.add(job, outcome)
 
     def _complete(self) -> None:
@@ -464,4 +476,6 @@ class Worker:
             self.registry.unregister()
         except TRANSIENT:
             pass
+        if self.streams is not None:
+            self.streams.close()
         log.info("worker %s stopped: %s", self.id, self.stats)

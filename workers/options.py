@@ -50,6 +50,17 @@ class WorkerOptions:
     #: Preemptions this worker makes in any minute at most.
     preempt_per_minute: int = defaults.PREEMPT_PER_MINUTE
 
+    #: Serve streaming jobs' output to their readers directly (``workers.streams``); off: it
+    #: goes through the jobs' claims in ZooKeeper, a few times a second.
+    stream: bool = True
+    #: Where the stream server listens, ``HOST:PORT`` (port 0: any free port).
+    stream_bind: str = "0.0.0.0:0"
+    #: The address readers connect to, ``HOST`` or ``HOST:PORT`` (None: the address this host
+    #: reaches ZooKeeper from, and the bound port).
+    stream_advertise: str | None = None
+    #: (certificate, key) to serve streams over TLS (the daemon passes ZooKeeper's client pair).
+    stream_tls: tuple[str, str] | None = None
+
     # -- the runner ---------------------------------------------------------------------------
     runner: str = "echo"
     echo_delay: float = defaults.ECHO_DELAY
@@ -106,6 +117,10 @@ class WorkerOptions:
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ConfigurationError(f"{field} must be more than 0, not {value}")
+        if self.stream:
+            from workers.streams import split_address
+
+            split_address(self.stream_bind, "--stream-bind")
         if self.drain_timeout < 0:
             raise ConfigurationError(f"drain_timeout must not be negative: {self.drain_timeout}")
 

@@ -17,6 +17,7 @@ class ExitCode:
     DENIED = 8
     CORRUPT = 9
     WITHDRAWN = 10
+    STREAM_INTERRUPTED = 11
     INTERNAL = 70
     INTERRUPTED = 130
 
@@ -113,6 +114,15 @@ class JobWithdrawn(ZkqError):
     safe."""
 
     exit_code = ExitCode.WITHDRAWN
+
+
+class StreamInterrupted(ZkqError):
+    """A job's stream stopped part-way: the attempt that produced the text already handed out
+    ended without a result (its worker died, or the job was preempted or released), so the
+    rest of that text will not come. The job itself goes on (its retry writes a result,
+    readable with ``result()``); the text handed out may differ from that result's."""
+
+    exit_code = ExitCode.STREAM_INTERRUPTED
 
 
 class ProtocolMismatch(ConfigurationError):

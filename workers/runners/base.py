@@ -68,6 +68,9 @@ class RunningJob:
     #: Called once (on the canceller's thread) when the job is cancelled: runners whose engine
     #: must be told (abort a request) set it in ``submit``.
     on_cancel: Callable[[RunningJob], None] | None = None
+    #: Called (on the runner's thread) each time the output so far grows: the worker's stream
+    #: server (``workers.streams``) sets it to wake the job's direct readers.
+    on_output: Callable[[], None] | None = None
 
     # -- the worker's bookkeeping (runners ignore these) ---------------------------------------
     #: The claim this worker holds on the job's entry (None for a runner tested alone).
@@ -110,6 +113,26 @@ class RunningJob:
                 self.on_cancel(self)
             except Exception:  # the engine's trouble must not reach the worker's loop
                 log.exception("job %s: the runner's cancel hook failed", self.id)
+
+    def add_tokens(self, tokens: list[int]) -> None:
+        """A runner reports the job's output token ids so far (the new ones are appended)."""
+        if len(tokens) > len(self.partial_ids):
+            self.partial_ids.extend(tokens[len(self.partial_ids) :])
+            self._output_grew()
+
+    def add_text(self, text: str) -> None:
+        """A runner reports the job's output text so far (runners that get text, not ids)."""
+        if text != self.partial:
+            self.partial = text
+            self._output_grew()
+
+    def _output_grew(self) -> None:
+        hook = self.on_output
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # a reader's trouble must never reach the runner
+                log.exception("job %s: the output hook failed", self.id)
 
     def partial_text(self) -> str:
         """The output generated so far (what a streaming caller sees)."""

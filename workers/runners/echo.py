@@ -37,7 +37,7 @@ class EchoRunner(ThreadedRunner):
             if job.cancelled.wait(min(left, _TICK)):
                 return Outcome(Status.CANCELLED, error=f"stopped: {job.cancel_reason}")
             job.progress += 1  # like a token: the worker renews leases while this moves
-            job.partial = " ".join(words[: job.progress])  # what a streaming caller sees
+            job.add_text(" ".join(words[: job.progress]))  # what a streaming caller sees
         if limit is not None and self.delay > limit:
             return Outcome(Status.TIMEOUT, error=f"exceeded max_runtime of {limit:g}s")
         if self.fail_marker and self.fail_marker in text:

@@ -121,7 +121,7 @@ class PlainPath:
             if flight.ttft_s is None:
                 flight.ttft_s = now - flight.started
             if spec.stream:
-                job.partial_ids.extend(tokens[len(job.partial_ids) :])
+                job.add_tokens(tokens)
             if job.cancelled.is_set():
                 ended.append(flight.cancelled())
             elif flight.deadline is not None and now >= flight.deadline:

@@ -277,7 +277,7 @@ class HFRunner:
             flight.ttft_s = out.ttft_s
         job.progress = len(out.tokens)
         if job.spec.stream:
-            job.partial_ids.extend(out.tokens[len(job.partial_ids) :])
+            job.add_tokens(out.tokens)
         cut = flight.stop_cut(self.codec)
         if cut is not None:
             self._withdraw(out.request_id, result.SUCCEEDED, text=cut, reason="stop")

@@ -180,7 +180,7 @@ class _Answer:
                 if self.stop and self._stopped(len(piece)):
                     return
                 if self.job.spec.stream:  # what its caller sees while it runs
-                    self.job.partial = "".join(self.text)
+                    self.job.add_text("".join(self.text))
             self.job.progress += 1
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
@@ -196,7 +196,7 @@ class _Answer:
             return False
         self.text = [text[: min(found)]]
         if self.job.spec.stream:
-            self.job.partial = self.text[0]
+            self.job.add_text(self.text[0])
         self.finish_reason = "stop"
         self.cut = True
         return True

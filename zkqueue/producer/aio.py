@@ -78,6 +78,7 @@ class AsyncClient(ClientBase):
     that cannot reach the ensemble fails with ZkqConnectionError instead of hanging."""
 
     NOT_STARTED = "client is not started: use it with 'async with'"
+    _asynchronous = True
 
     def __init__(
         self,
@@ -120,6 +121,9 @@ class AsyncClient(ClientBase):
 
     async def close(self) -> None:
         """Close the session: every attached job of this client is withdrawn with it."""
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
         try:
             if self._zk is not None and self._owns_zk:
                 zk, self._zk = self._zk, None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
 
-from zkqueue.errors import JobWithdrawn, ZkqConnectionError
+from zkqueue.errors import CorruptRecord, JobWithdrawn, ZkqConnectionError
 from zkqueue.plumbing.connection import TRANSIENT, mapped_errors
 from zkqueue.plumbing.watches import remove_data_watch
+from zkqueue.producer.direct import AsyncTap, TapState, Transcript, tappable
 from zkqueue.protocol import claims
 from zkqueue.protocol.jobpaths import JobPaths
 from zkqueue.protocol.records import ClaimBody
@@ -52,6 +52,8 @@ class LoopClient(Protocol):
     async def blocking(self, func: Callable[..., Any], *args: Any) -> Any: ...
 
     async def maybe(self, call: IAsyncResult) -> Any: ...
+
+    def stream_http(self) -> Any: ...
 
 
 #: Seconds between reads without a watch firing, and while ZooKeeper is unreachable.
@@ -92,41 +94,64 @@ class AsyncJob(JobPaths):
         return self.record
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
-        """Yield the output in pieces as the worker publishes it (jobs submitted with
+        """Yield the output in pieces as the worker generates it (jobs submitted with
         ``stream=True``; others yield their whole output at the end), then stop; the record is
-        then ``job.record`` (and ``await job.result()``). On timeout raise JobTimeout,
-        withdrawing the submitter's attached request, as cancelling the iterating task does."""
+        then ``job.record`` (and ``await job.result()``). The pieces come straight from the
+        worker where it serves streams (``zkqueue.producer.direct``), else from the job's
+        claim. StreamInterrupted if the attempt that produced them stops part-way (the job goes
+        on). On timeout raise JobTimeout, withdrawing the submitter's attached request, as
+        cancelling the iterating task does."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        sent, full = "", True
+        transcript, tap = Transcript(self.id), None
+        full, fired = True, set[str]()
         with self._withdrawn_if_abandoned():
-            while self.record is None:
-                self._wake.clear()
-                fired, self._fired = self._fired, set()
-                try:
-                    text, found, recheck = await self._read_stream(full, fired)
-                except _AWAY:
-                    text, found, recheck = None, None, _RECONNECT_POLL
-                if found is not None:
-                    text = self._accept(found).output
-                if text and text.startswith(sent) and len(text) > len(sent):
-                    yield text[len(sent) :]
-                    sent = text
-                if found is not None:
-                    return
-                # Read everything after a quiet interval, or when the claim went away.
-                full = text is None or not await self._pause(deadline, recheck, timeout)
+            try:
+                while self.record is None:
+                    self._wake.clear()
+                    body: ClaimBody | bool | None = False  # False: the claim was not read
+                    found, recheck = None, _RECHECK_SECONDS
+                    if full or fired:
+                        try:
+                            found, body = await self._read_stream(full, fired)
+                        except _AWAY:
+                            recheck = _RECONNECT_POLL
+                    if found is not None:
+                        piece = transcript.final(self._accept(found).output)
+                        if piece:
+                            yield piece
+                        return
+                    if isinstance(body, ClaimBody) and transcript.claim(body.token):
+                        if tap is not None:
+                            tap.close()
+                        http = self.client.stream_http() if tappable(body) else None
+                        tap = None if http is None else AsyncTap(http, body, self._wake.set)
+                    if tap is not None and tap.state == TapState.BROKEN:
+                        if transcript.sent:
+                            transcript.interrupted(tap.why)
+                        tap = None
+                    text = tap.text if tap is not None and tap.serving else None
+                    if text is None and isinstance(body, ClaimBody):
+                        text = body.partial
+                    piece = transcript.take(text or "")
+                    if piece:
+                        yield piece
+                    woke = await self._pause(deadline, recheck, timeout)
+                    fired, self._fired = self._fired, set()
+                    # Read everything after a quiet interval, or when the claim went away.
+                    full = body is None or not woke
+            finally:
+                if tap is not None:
+                    tap.close()
 
     async def _read_stream(
         self, full: bool, fired: set[str]
-    ) -> tuple[str | None, Result | None, float]:
-        """(partial output or None, the record if the job ended, recheck interval)."""
+    ) -> tuple[Result | None, ClaimBody | bool | None]:
+        """(the record if the job ended, the claim or None if there is none); only the claim
+        is read when only its watch fired."""
         if full or fired - {self.claim_path}:
             looked = await self._look(with_claim=True)
-            if looked is None:
-                return "", None, _RECHECK_SECONDS
-            record, partial = looked
-            return partial, record, _RECHECK_SECONDS
-        return await self._read_claim(), None, _RECHECK_SECONDS
+            return (None, None) if looked is None else looked
+        return None, await self._read_claim()
 
     async def _pause(self, deadline: float | None, recheck: float, timeout: float | None) -> bool:
         """Wait for a watch or the recheck interval; True if a watch fired. Past the deadline
@@ -141,9 +166,9 @@ class AsyncJob(JobPaths):
                 return True
         return False
 
-    async def _look(self, with_claim: bool) -> tuple[Result | None, str | None] | None:
+    async def _look(self, with_claim: bool) -> tuple[Result | None, ClaimBody | None] | None:
         """One pipelined read (watched): None while the job is unfinished and, with
-        ``with_claim``, not running; else (record or None, partial output or None)."""
+        ``with_claim``, not running; else (record or None, the claim or None)."""
         zk, client, watch = self.client.zk, self.client, self._watch
         # Entry before result: complete() deletes the one and creates the other in a single
         # transaction, so "no entry, then no result" means nothing will come. The entry is
@@ -173,10 +198,10 @@ class AsyncJob(JobPaths):
             raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
         if claim is None or isinstance(done[-1], BaseException):
             return None
-        return None, _partial(done[-1][0])
+        return None, _claim(done[-1][0])
 
-    async def _read_claim(self) -> str | None:
-        """The claim's partial output (watched again), or None if the claim is gone."""
+    async def _read_claim(self) -> ClaimBody | None:
+        """The claim (watched again), or None if it is gone (or unreadable)."""
         if self.claim_path is None:
             return None
         try:
@@ -184,7 +209,7 @@ class AsyncJob(JobPaths):
             data, _ = await self.client.wait(call)
         except NoNodeError:
             return None
-        return _partial(data)
+        return _claim(data)
 
     def _watch(self, event: WatchedEvent) -> None:
         """Runs on kazoo's thread; one bound method per job, so kazoo keeps one watcher."""
@@ -267,9 +292,8 @@ async def _settled(waiting: Any) -> Any:
         return exc
 
 
-def _partial(data: bytes) -> str:
+def _claim(data: bytes) -> ClaimBody | None:
     try:
-        partial = json.loads(data).get("partial")
-    except (ValueError, AttributeError):
-        return ""
-    return partial if isinstance(partial, str) else ""
+        return ClaimBody.from_bytes(data)
+    except CorruptRecord:
+        return None

@@ -63,6 +63,9 @@ class Client(ClientBase):
         return self
 
     def close(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            http.close()
         if self._zk is not None and self._owns_zk:
             close(self._zk)
             self._zk = None

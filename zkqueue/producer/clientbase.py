@@ -4,7 +4,7 @@ build the same state from them, and the session accessor. They differ only in ho
 
 from __future__ import annotations
 
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 from kazoo.client import KazooClient
 
@@ -33,6 +33,9 @@ class ClientOptions(TypedDict, total=False):
     tls_key: str | None
     #: A started session to share: never closed by this client.
     zk: KazooClient | None
+    #: Read streaming jobs' output straight from their workers (``zkqueue.producer.direct``);
+    #: False: from their claims in ZooKeeper, a few times a second.
+    direct_streams: bool
 
 
 class ClientBase:
@@ -67,6 +70,22 @@ class ClientBase:
         self._ready: set[str] = set()
         #: Specs up to this size ride in the arrival signal (each face's enqueuer reads it).
         self.signal_spec_bytes = options.get("signal_spec_bytes", defaults.SIGNAL_SPEC_BYTES)
+        self.direct_streams = options.get("direct_streams", True)
+        #: The HTTP client that reads streams from workers, made on first use.
+        self._http: Any = None
+
+    def stream_http(self) -> Any:
+        """The HTTP client (httpx) that reads jobs' streams from their workers; None when this
+        client reads streams from claims only (``direct_streams=False``, or no httpx)."""
+        if self._http is None and self.direct_streams:
+            from zkqueue.producer.direct import http_client
+
+            self._http = http_client(self.settings, asynchronous=self._asynchronous)
+            self.direct_streams = self._http is not None
+        return self._http
+
+    #: Whether this face reads streams on an event loop (AsyncClient) or on threads.
+    _asynchronous = False
 
     @property
     def zk(self) -> KazooClient:

@@ -15,6 +15,7 @@ from kazoo.protocol.states import EventType, WatchedEvent
 from zkqueue import defaults
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
 from zkqueue.plumbing.watches import forget_data_watch, remove_data_watch
+from zkqueue.producer.direct import TapState, ThreadTap, Transcript, tappable
 from zkqueue.protocol import claims, counts
 from zkqueue.protocol.jobpaths import PENDING, RUNNING, WITHDRAWN, JobPaths
 from zkqueue.protocol.records import ClaimBody
@@ -43,6 +44,8 @@ class Owner(Protocol):
     def claim_of(self, queue: str, entry: str) -> ClaimBody | None: ...
 
     def position(self, queue: str, entry: str) -> int | None: ...
+
+    def stream_http(self) -> Any: ...
 
 
 #: How often a waiter re-reads even without a watch firing: watches are hints, not guarantees.
@@ -82,6 +85,9 @@ class Job(JobPaths):
         #: the session it was set in (a new session has lost it).
         self._armed: Any = None
         self._armed_session: Any = None
+        #: While streaming: whether a watch fired, whether the stream's tap woke us.
+        self._watched = False
+        self._tapped = False
 
     def status(self) -> str:
         """``pending``, ``running`` or the result's status; raises JobNotFound if none applies."""
@@ -109,52 +115,78 @@ class Job(JobPaths):
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield the output in pieces as the worker generates it (for jobs submitted with
         ``stream=True``; others yield their whole output at the end), then stop. The result
-        record is then available from ``result()``. On timeout raise JobTimeout, withdrawing
-        the submitter's attached request."""
+        record is then available from ``result()``. The pieces come straight from the worker
+        where it serves streams (``zkqueue.producer.direct``), else from the job's claim;
+        StreamInterrupted if the attempt that produced them stops part-way (the job goes on).
+        On timeout raise JobTimeout, withdrawing the submitter's attached request."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        sent = ""
+        transcript, tap = Transcript(self.id), None
         self._armed = None  # each look below sets the watch it needs
-        while self._result is None:
-            self._fired.clear()
-            with self.client.mapped():
-                found = self._look_stream(self._on_watch, _bound(deadline))
-            text, record = found
-            if record is not None:
-                self._accept(record)
-                text = record.output
-            if text.startswith(sent) and len(text) > len(sent):
-                yield text[len(sent) :]
-                sent = text
-            if record is not None:
-                return
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise self._give_up(timeout)
-            self._fired.wait(
-                _RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS)
-            )
+        look = True
+        try:
+            while self._result is None:
+                self._fired.clear()
+                body, record = None, None
+                if look:
+                    with self.client.mapped():
+                        body, record = self._look_stream(self._on_watch, _bound(deadline))
+                if record is not None:
+                    piece = transcript.final(self._accept(record).output)
+                    if piece:
+                        yield piece
+                    return
+                if body is not None and transcript.claim(body.token):
+                    if tap is not None:
+                        tap.close()
+                    http = self.client.stream_http() if tappable(body) else None
+                    tap = None if http is None else ThreadTap(http, body, self._tap_wake)
+                if tap is not None and tap.state == TapState.BROKEN:
+                    if transcript.sent:
+                        transcript.interrupted(tap.why)
+                    tap = None
+                text = tap.text if tap is not None and tap.serving else None
+                piece = transcript.take(text if text is not None else (body and body.partial) or "")
+                if piece:
+                    yield piece
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise self._give_up(timeout)
+                self._tapped = False
+                self._fired.wait(
+                    _RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS)
+                )
+                look = not self._tapped or self._watched
+                self._watched = False
+        finally:
+            if tap is not None:
+                tap.close()
 
-    def _look_stream(self, watch: Any, timeout: float | None) -> tuple[str, Result | None]:
-        """The partial output in the claim (watched), or the result if the job ended."""
+    def _tap_wake(self) -> None:
+        self._tapped = True
+        self._fired.set()
+
+    def _look_stream(
+        self, watch: Any, timeout: float | None
+    ) -> tuple[ClaimBody | None, Result | None]:
+        """The claim (watched) while the job runs, or the result if the job ended."""
         try:
             record = self._look(watch, timeout)
         except _AWAY:
-            return "", None
+            return None, None
         if record is not None or self.entry is None:
-            return "", record
+            return None, record
         claim = self.claim_path
         zk = self.client.zk
         try:
             if zk.exists_async(claim, watch=watch).get(timeout=timeout) is None:
-                return "", None
+                return None, None
             data, _ = zk.get_async(claim).get(timeout=timeout)
         except (NoNodeError, *_AWAY):
-            return "", None
+            return None, None
         try:
-            partial = ClaimBody.from_bytes(data).partial
+            return ClaimBody.from_bytes(data), None
         except CorruptRecord:
-            partial = None
-        return partial or "", None
+            return None, None
 
     def _give_up(self, timeout: float | None) -> JobTimeout:
         """Stop waiting: take the watches back, withdraw the submitter's attached request."""
@@ -242,6 +274,7 @@ class Job(JobPaths):
         return call.get(timeout=_bound(deadline)) is None
 
     def _on_watch(self, event: WatchedEvent) -> None:
+        self._watched = True
         if event.type == EventType.CREATED and event.path == self.result_path:
             # Read it at once, from kazoo's callback thread: the waiting thread then finds
             # the answer on its way, not a request still to send.

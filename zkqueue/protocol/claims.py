@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -78,6 +79,10 @@ class Claims:
         self.worker_id = worker_id
         #: Seconds a claim stays valid without a renewal (written into the claim for the janitor).
         self.lease = lease
+        #: The base URL of this worker's stream server (None: streaming jobs publish their
+        #: output in their claims only): each claim of a streaming job names its stream there,
+        #: ``<streams>/<job id>``, with a fresh secret.
+        self.streams: str | None = None
         self.ticks = Ticks()
 
     def entry_path(self, priority: str, entry: EntryName) -> str:
@@ -105,6 +110,9 @@ class Claims:
         for c in picked:
             token = c.stat.version + 1
             body = ClaimBody(self.worker_id, token, now, self.lease, f"{c.priority}/{c.entry.name}")
+            if self.streams is not None and c.spec.stream:
+                body.stream = f"{self.streams}/{c.entry.job_id}"
+                body.secret = secrets.token_urlsafe(24)
             bodies.append(body)
             txn.create(
                 self.layout.claim(self.queue, c.entry.job_id), body.to_bytes(), ephemeral=True

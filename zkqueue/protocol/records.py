@@ -29,8 +29,11 @@ _RAW_LIMIT = 16 * 1024
 
 @dataclass
 class ClaimBody:
-    """The data of claims/<entry>: who runs the job, its fencing token, its lease, and a
-    streaming job's output so far. The claim node's mtime is the lease's last renewal."""
+    """The data of claims/<entry>: who runs the job, its fencing token, its lease, and for a
+    job that streams, where its tokens are served (``stream``, the URL of the worker's stream
+    of this attempt, and ``secret``, the bearer token that stream asks for: only readers of
+    the claim learn it) and its output so far when no direct reader takes it (``partial``).
+    The claim node's mtime is the lease's last renewal."""
 
     worker: str
     token: int
@@ -40,6 +43,8 @@ class ClaimBody:
     #: The claimed entry, ``<priority>/<bucket>/<id>-<seq>`` (the janitor reclaims through it).
     entry: str | None = None
     partial: str | None = None
+    stream: str | None = None
+    secret: str | None = None
 
     def to_bytes(self) -> bytes:
         record = {k: v for k, v in vars(self).items() if v is not None}
@@ -63,10 +68,17 @@ class ClaimBody:
                 claimed_at=float(raw.get("claimed_at") or 0.0),
                 lease=float(raw["lease"]),
                 entry=raw.get("entry") if isinstance(raw.get("entry"), str) else None,
-                partial=raw.get("partial") if isinstance(raw.get("partial"), str) else None,
+                partial=_text(raw, "partial"),
+                stream=_text(raw, "stream"),
+                secret=_text(raw, "secret"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecord(f"{what} lacks a valid field: {exc}") from None
+
+
+def _text(raw: dict[str, Any], name: str) -> str | None:
+    value = raw.get(name)
+    return value if isinstance(value, str) else None
 
 
 @dataclass

@@ -1,0 +1,261 @@
+"""Reading a job's stream straight from the worker that runs it (the data plane; the wire format
+is ``zkqueue.protocol.streaming``), for ``AsyncJob.stream`` and ``Job.stream``.
+
+A streaming job's claim names its stream and a secret. The job handle, which already watches
+the claim, starts a ``Tap`` for each attempt it sees: the tap connects, takes the pieces as the
+worker sends them, and wakes the handle, which hands the new text to its caller. ZooKeeper still
+decides the end: the result record, read as before, is the authoritative text, and the handle's
+``Transcript`` checks that everything handed out is a prefix of it.
+
+Where the worker cannot be reached (a firewall, a worker without a stream server, a client
+without ``httpx``), the handle falls back to the output the worker writes into the claim a few
+times a second, and says so once in the log. An attempt that stops part-way (the worker died, or
+gave the job back) after text was handed out ends the stream with ``StreamInterrupted``: the rest
+of that text will not come, and a retry's text may differ. Before any text was handed out the
+handle waits for the next attempt instead.
+
+The library needs ``httpx`` only for this (every extra of zkq brings it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import ssl
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from zkqueue.errors import StreamInterrupted
+from zkqueue.protocol import streaming
+from zkqueue.protocol.records import ClaimBody
+from zkqueue.protocol.streaming import EventReader, StreamEvent
+
+log = logging.getLogger("zkq.stream")
+
+#: Seconds to connect to a worker's stream before falling back to the claim.
+CONNECT_TIMEOUT = 2.0
+#: Stream URLs (their scheme://host:port) we already said we cannot reach: said once each.
+_warned: set[str] = set()
+
+
+class TapState(enum.Enum):
+    CONNECTING = "connecting"
+    LIVE = "live"
+    #: The attempt ended with a result (read it from ZooKeeper).
+    ENDED = "ended"
+    #: The attempt stopped part-way (an error event, or the connection closed early).
+    BROKEN = "broken"
+    #: The stream could not be read (unreachable, refused, not there): use the claim.
+    FALLBACK = "fallback"
+
+
+class Transcript:
+    """What a stream's caller has been handed, across the job's attempts."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.sent = ""
+        #: The fencing token of the attempt whose text was handed out.
+        self.attempt: int | None = None
+
+    def claim(self, token: int) -> bool:
+        """A claim with ``token`` was read; True if it starts another attempt. Raises
+        StreamInterrupted when text of an earlier attempt was handed out."""
+        if token == self.attempt:
+            return False
+        if self.sent:
+            self.interrupted("its claim was replaced by another attempt")
+        self.attempt = token
+        return True
+
+    def take(self, text: str) -> str:
+        """The part of the attempt's text so far that was not handed out yet."""
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            piece, self.sent = text[len(self.sent) :], text
+            return piece
+        return ""
+
+    def final(self, output: str) -> str:
+        """The rest of the authoritative output; raises StreamInterrupted if the text handed
+        out is not its start."""
+        if not output.startswith(self.sent):
+            self.interrupted("its result differs from the text streamed (a retry's answer)")
+        return self.take(output)
+
+    def interrupted(self, why: str) -> None:
+        raise StreamInterrupted(
+            f"the stream of job {self.job_id} stopped after {len(self.sent)} characters: {why}; "
+            f"the job goes on, and its result is what result() returns"
+        )
+
+
+class Tap:
+    """One attempt's stream, read as it comes (``text``, ``state``); ``wake`` is called after
+    every change, from the reading task or thread. Subclasses read over asyncio or a thread."""
+
+    def __init__(self, claim: ClaimBody, wake: Callable[[], None]) -> None:
+        assert claim.stream is not None and claim.secret is not None
+        self.token = claim.token
+        self.url = claim.stream
+        self.headers = {"Authorization": f"Bearer {claim.secret}", "Accept": "text/event-stream"}
+        self.text = ""
+        self.state = TapState.CONNECTING
+        self.why = ""
+        self._wake = wake
+
+    @property
+    def serving(self) -> bool:
+        """Whether this tap carries the attempt's text (else the claim does)."""
+        return self.state in (TapState.CONNECTING, TapState.LIVE, TapState.ENDED)
+
+    def _opened(self, status: int) -> bool:
+        if status == 200:
+            self.state = TapState.LIVE
+            return True
+        why = {403: "the worker refused the secret", 404: "the job no longer runs there"}
+        self._fall_back(why.get(status, f"the worker answered {status}"), warn=status != 404)
+        return False
+
+    def _handle(self, event: StreamEvent) -> bool:
+        """Take one event; True when the stream is over."""
+        if event.kind == streaming.PIECE:
+            if event.offset <= len(self.text):
+                self.text = self.text[: event.offset] + event.text
+            self._wake()
+            return False
+        if event.kind == streaming.END:
+            self.state = TapState.ENDED
+        else:
+            self.state, self.why = TapState.BROKEN, f"the attempt was {event.reason}"
+        self._wake()
+        return True
+
+    def _closed_early(self, why: str) -> None:
+        if self.state == TapState.LIVE:
+            self.state, self.why = TapState.BROKEN, why
+        else:
+            self._fall_back(why, warn=True)
+        self._wake()
+
+    def _fall_back(self, why: str, warn: bool) -> None:
+        self.state, self.why = TapState.FALLBACK, why
+        where = self.url.rsplit(streaming.PATH, 1)[0]
+        if warn and where not in _warned:
+            _warned.add(where)
+            log.warning(
+                "cannot stream from the worker at %s (%s): streaming from the job's claim in "
+                "ZooKeeper instead, a few times a second",
+                where,
+                why,
+            )
+        self._wake()
+
+
+class AsyncTap(Tap):
+    """A tap read by a task on the caller's event loop."""
+
+    def __init__(self, http: Any, claim: ClaimBody, wake: Callable[[], None]) -> None:
+        super().__init__(claim, wake)
+        self._task = asyncio.ensure_future(self._read(http))
+
+    async def _read(self, http: Any) -> None:
+        try:
+            async with http.stream("GET", self.url, headers=self.headers) as response:
+                if not self._opened(response.status_code):
+                    return
+                reader = EventReader()
+                async for line in response.aiter_lines():
+                    event = reader.feed(line)
+                    if event is not None and self._handle(event):
+                        return
+            self._closed_early("the worker closed the stream before its end")
+        except http_library().HTTPError as exc:
+            self._closed_early(_describe(exc))
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+class ThreadTap(Tap):
+    """A tap read by a thread of its own (for the blocking ``Job``)."""
+
+    def __init__(self, http: Any, claim: ClaimBody, wake: Callable[[], None]) -> None:
+        super().__init__(claim, wake)
+        self._closing = threading.Event()
+        self._response: Any = None
+        self._thread = threading.Thread(target=self._read, args=(http,), daemon=True)
+        self._thread.name = "zkq-stream-tap"
+        self._thread.start()
+
+    def _read(self, http: Any) -> None:
+        try:
+            with http.stream("GET", self.url, headers=self.headers) as response:
+                self._response = response
+                if self._closing.is_set() or not self._opened(response.status_code):
+                    return
+                reader = EventReader()
+                for line in response.iter_lines():
+                    event = reader.feed(line)
+                    if self._closing.is_set() or (event is not None and self._handle(event)):
+                        return
+            self._closed_early("the worker closed the stream before its end")
+        except http_library().HTTPError as exc:
+            if not self._closing.is_set():
+                self._closed_early(_describe(exc))
+
+    def close(self) -> None:
+        self._closing.set()
+        response = self._response
+        if response is not None:
+            with contextlib.suppress(Exception):  # closing under a read ends that read
+                response.close()
+
+
+@functools.cache
+def http_library() -> Any:
+    """httpx, imported on first use (``import zkqueue`` stays light), or None without it."""
+    try:
+        import httpx
+    except ImportError:  # the library alone: streams come through claims only
+        return None
+    return httpx
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def http_client(settings: Any, asynchronous: bool) -> Any:
+    """An httpx client for reading streams (None without httpx): no limit on open streams, a
+    short connect timeout, no read timeout (a job may think for a while), and for HTTPS the
+    ZooKeeper CA of ``settings`` (``ConnectionSettings``)."""
+    httpx = http_library()
+    if httpx is None:
+        return None
+    options = http_options(settings.tls_ca, settings.tls_cert, settings.tls_key)
+    return httpx.AsyncClient(**options) if asynchronous else httpx.Client(**options)
+
+
+def http_options(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> dict[str, Any]:
+    """The options of ``http_client``."""
+    httpx = http_library()
+    verify: Any = True
+    if tls_ca:
+        verify = ssl.create_default_context(cafile=tls_ca)
+        if tls_cert and tls_key:
+            verify.load_cert_chain(tls_cert, tls_key)
+    return {
+        "timeout": httpx.Timeout(None, connect=CONNECT_TIMEOUT),
+        "limits": httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        "verify": verify,
+        "trust_env": False,
+    }
+
+
+def tappable(claim: ClaimBody | None) -> bool:
+    """Whether a claim names a stream this process can read."""
+    return claim is not None and bool(claim.stream and claim.secret)
