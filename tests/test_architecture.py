@@ -49,6 +49,8 @@ OPTIONAL = {
     "zkqueue.operations.topview": {"rich"},
     "zkqueue.operations.exporter": {"prometheus_client"},
     "zkqueue.operations.serving": {"prometheus_client"},
+    # Imported on first use; without it streams come through claims (every extra brings it).
+    "zkqueue.producer.direct": {"httpx"},
 }
 #: The one module that builds ZooKeeper multis.
 TRANSITIONS = "zkqueue.protocol.claims"

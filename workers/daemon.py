@@ -69,8 +69,6 @@ def _upstream_runner(opts: WorkerOptions) -> Runner:
     )
     count = opts.max_concurrency
     slots = None if count is None else Slots(count, "flag", detail="--max-concurrency")
-    # httpx logs every request at INFO: the worker's own lines say what happened to each job.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     runner = UpstreamRunner(settings, slots=slots, default_max_runtime=opts.max_runtime)
     runner.probe()
     return runner

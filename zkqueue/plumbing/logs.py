@@ -53,6 +53,8 @@ def configure(level: str = "WARNING", fmt: str = "text") -> None:
     root.setLevel(level.upper())
     if level.upper() != "DEBUG":  # kazoo logs every refused connection attempt
         logging.getLogger("kazoo.client").setLevel(logging.ERROR)
+    # httpx logs every request at info (each stream read from a worker, each upstream call).
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
 def job_context(job: str, queue: str, priority: str, worker: str) -> dict[str, str]:

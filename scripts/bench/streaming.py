@@ -1,0 +1,263 @@
+"""Streaming through ``zkq serve`` against the same model behind ``transformers serve
+--continuous-batching``, same run, with the official ``openai`` client.
+
+    .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
+        [--max-tokens 64] [--json FILE]
+
+On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
+one model worker (``zkq worker --model DIR --max-concurrency 16``, the hf runner: transformers'
+continuous batching in process) and one gateway (``zkq serve``) as processes of their own.
+Every request is a streamed chat completion (``stream_options.include_usage``) of a short
+prompt, ``--max-tokens`` at most, greedy. A request's time to first content runs from the call
+to the first chunk with non-empty ``delta.content``; its chunks are the chunks with content.
+
+Each rep runs, on each side (which side goes first alternates):
+
+1. ``--c1`` requests one after another (concurrency 1);
+2. ``--c16-rounds`` rounds of 16 requests sent at once (concurrency 16).
+
+Reported: the p50 (concurrency 1) and p99 (concurrency 16) time to first content of each side,
+over all reps; the chunks per answer against its completion tokens; the CPU seconds each
+process spent per request. Through zkq, with ``--no-direct`` the worker writes streams into
+the jobs' claims instead (``zkq worker --no-stream``): the figure before the data plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from scripts.bench.core import pid_cpu, stop_processes
+from workers.testing import InferenceServer
+from zkqueue import Client
+from zkqueue.testing import ZkCluster, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_ROOT = "/bench-streaming"
+QUEUE = "tiny"
+PROMPTS = [
+    "Tell me about the priority queue.",
+    "What does ZooKeeper keep?",
+    "Name the workers in the line.",
+    "Why does the urgent job go first?",
+]
+
+
+async def one(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion: time to first content, content chunks, tokens, text."""
+    sent = time.monotonic()
+    first = None
+    chunks, text, tokens = 0, [], None
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            piece = choice.delta.content
+            if piece:
+                if first is None:
+                    first = time.monotonic() - sent
+                chunks += 1
+                text.append(piece)
+    return {
+        "ttft_s": first,
+        "chunks": chunks,
+        "tokens": tokens,
+        "text": "".join(text),
+        "total_s": time.monotonic() - sent,
+    }
+
+
+async def side(
+    base_url: str, model: str, c1: int, rounds: int, max_tokens: int
+) -> dict[str, list[dict[str, Any]]]:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0) as client:
+        serial = [
+            await one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(c1)
+        ]
+        burst = []
+        for _ in range(rounds):
+            calls = [one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(16)]
+            burst += await asyncio.gather(*calls)
+    return {"c1": serial, "c16": burst}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summarize(out: dict[str, Any]) -> list[str]:
+    lines = []
+    figures: dict[str, dict[str, float]] = {}
+    for name in ("direct", "zkq"):
+        reps = out[name]
+        c1 = [r["ttft_s"] for rep in reps for r in rep["c1"] if r["ttft_s"] is not None]
+        c16 = [r["ttft_s"] for rep in reps for r in rep["c16"] if r["ttft_s"] is not None]
+        answers = [r for rep in reps for r in rep["c1"] + rep["c16"] if r["tokens"]]
+        ratio = [r["chunks"] / r["tokens"] for r in answers]
+        figures[name] = {
+            "c1_p50_ms": 1000 * statistics.median(c1),
+            "c16_p50_ms": 1000 * statistics.median(c16),
+            "c16_p99_ms": 1000 * percentile(c16, 0.99),
+            "chunks_per_token": statistics.median(ratio),
+            "chunks": statistics.median(r["chunks"] for r in answers),
+            "tokens": statistics.median(r["tokens"] for r in answers),
+            "requests": len(c1) + len(c16),
+        }
+    d, z = figures["direct"], figures["zkq"]
+    out["figures"] = figures
+    lines.append(
+        f"concurrency 1, time to first content p50: zkq {z['c1_p50_ms']:.1f} ms, direct "
+        f"{d['c1_p50_ms']:.1f} ms (zkq - direct = {z['c1_p50_ms'] - d['c1_p50_ms']:+.1f} ms)"
+    )
+    lines.append(
+        f"concurrency 16, time to first content p99: zkq {z['c16_p99_ms']:.1f} ms, direct "
+        f"{d['c16_p99_ms']:.1f} ms ({z['c16_p99_ms'] / d['c16_p99_ms']:.2f}x); p50 "
+        f"{z['c16_p50_ms']:.1f} / {d['c16_p50_ms']:.1f} ms"
+    )
+    lines.append(
+        f"chunks per answer (median): zkq {z['chunks']:.0f} of {z['tokens']:.0f} tokens "
+        f"({z['chunks_per_token']:.2f} a token); direct {d['chunks']:.0f} of {d['tokens']:.0f} "
+        f"({d['chunks_per_token']:.2f})"
+    )
+    cpu = out.get("cpu_per_request_ms")
+    if cpu:
+        lines.append(
+            "CPU per request: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in cpu.items())
+            + " (the gateway, the worker and ZooKeeper for zkq; the server for direct)"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.streaming")
+    parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--c1", type=int, default=10)
+    parser.add_argument("--c16-rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-direct", action="store_true", help="the worker with --no-stream")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
+    with tempfile.TemporaryDirectory(prefix="zkq-bench-streaming-") as tmp:
+        model = str(Path(tmp) / "tiny")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cli = [sys.executable, "-m", "zkqueue.cli"]
+        subprocess.run([*cli, "tiny-model", model], check=True, env=env, capture_output=True)
+        server = InferenceServer(model, Path(tmp) / "serve.log").start()
+        cluster = ZkCluster(1).start()
+        log = open(Path(tmp) / "zkq.log", "w")  # noqa: SIM115 (closed below)
+        base = [*cli, "--zk", cluster.hosts, "--root", BENCH_ROOT]
+        worker_cmd = [*base, "worker", "--queue", QUEUE, "--model", model, "--no-janitor"]
+        worker_cmd += ["--max-concurrency", "16"]
+        if args.no_direct:
+            worker_cmd.append("--no-stream")
+        port = free_port()
+        procs = [
+            subprocess.Popen(worker_cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
+            subprocess.Popen(
+                [*base, "serve", "--port", str(port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ),
+        ]
+        try:
+            with Client(cluster.hosts, root=BENCH_ROOT) as client:
+                _wait_worker(client)
+            zkq_url = f"http://127.0.0.1:{port}/v1"
+            assert server.proc is not None and cluster.servers[0].process is not None
+            pids = {
+                "server": server.proc.pid,
+                "worker": procs[0].pid,
+                "gateway": procs[1].pid,
+                "zookeeper": cluster.servers[0].process.pid,
+            }
+            _wait_gateway(zkq_url)
+            for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
+                asyncio.run(side(url, name, 4, 1, args.max_tokens))
+            cpu = {k: 0.0 for k in pids}
+            for rep in range(args.reps):
+                order = [("direct", server.url, model), ("zkq", zkq_url, QUEUE)]
+                for name, url, model_name in order if rep % 2 == 0 else order[::-1]:
+                    before = {k: pid_cpu(p) for k, p in pids.items()}
+                    result = asyncio.run(
+                        side(url, model_name, args.c1, args.c16_rounds, args.max_tokens)
+                    )
+                    for k, p in pids.items():
+                        cpu[k] += pid_cpu(p) - before[k]
+                    out[name].append(result)
+                d, z = out["direct"][-1], out["zkq"][-1]
+                print(
+                    f"rep {rep}: c1 p50 zkq {_p50(z['c1']):.1f} ms direct {_p50(d['c1']):.1f} ms; "
+                    f"c16 p99 zkq {_p99(z['c16']):.1f} ms direct {_p99(d['c16']):.1f} ms",
+                    flush=True,
+                )
+            per_side = args.reps * (args.c1 + 16 * args.c16_rounds)
+            out["cpu_per_request_ms"] = {k: 1000 * v / per_side for k, v in cpu.items()}
+        finally:
+            stop_processes(procs, 30)
+            log.close()
+            server.stop()
+            cluster.stop()
+    for line in summarize(out):
+        print(line)
+    if args.json:
+        out["summary"] = summarize(out)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def _p50(rows: list[dict[str, Any]]) -> float:
+    return 1000 * statistics.median(r["ttft_s"] for r in rows if r["ttft_s"] is not None)
+
+
+def _p99(rows: list[dict[str, Any]]) -> float:
+    return 1000 * percentile([r["ttft_s"] for r in rows if r["ttft_s"] is not None], 0.99)
+
+
+def _wait_worker(client: Client, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(w.get("queue") == QUEUE and w.get("state") == "running" for w in client.workers()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"no worker of {QUEUE} in {timeout:.0f}s")
+
+
+def _wait_gateway(url: str, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url.removesuffix("/v1") + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the gateway at {url} did not answer in {timeout:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
