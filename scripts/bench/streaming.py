@@ -7,9 +7,11 @@
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
 one model worker (``zkq worker --model DIR --max-concurrency 16``, the hf runner: transformers'
 continuous batching in process) and one gateway (``zkq serve``) as processes of their own.
-Every request is a streamed chat completion (``stream_options.include_usage``) of a short
+Every request is a streamed completion (``/v1/completions``, ``stream_options.include_usage``;
+the tiny model has no chat template, which ``transformers serve`` needs for chats) of a short
 prompt, ``--max-tokens`` at most, greedy. A request's time to first content runs from the call
-to the first chunk with non-empty ``delta.content``; its chunks are the chunks with content.
+to the first chunk with non-empty text; its chunks are the chunks with text. The server sends no
+usage while streaming: its tokens per answer are not known, only its chunks.
 
 Each rep runs, on each side (which side goes first alternates):
 
@@ -53,13 +55,13 @@ PROMPTS = [
 
 
 async def one(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed chat completion: time to first content, content chunks, tokens, text."""
+    """One streamed completion: time to first content, content chunks, tokens, text."""
     sent = time.monotonic()
     first = None
     chunks, text, tokens = 0, [], None
-    stream = await client.chat.completions.create(
+    stream = await client.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -69,7 +71,7 @@ async def one(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
-            piece = choice.delta.content
+            piece = choice.text
             if piece:
                 if first is None:
                     first = time.monotonic() - sent
@@ -112,14 +114,15 @@ def summarize(out: dict[str, Any]) -> list[str]:
         reps = out[name]
         c1 = [r["ttft_s"] for rep in reps for r in rep["c1"] if r["ttft_s"] is not None]
         c16 = [r["ttft_s"] for rep in reps for r in rep["c16"] if r["ttft_s"] is not None]
-        answers = [r for rep in reps for r in rep["c1"] + rep["c16"] if r["tokens"]]
-        ratio = [r["chunks"] / r["tokens"] for r in answers]
+        rows = [r for rep in reps for r in rep["c1"] + rep["c16"]]
+        answers = [r for r in rows if r["tokens"]] or [{"chunks": 0, "tokens": 0}]
+        ratio = [r["chunks"] / r["tokens"] for r in answers if r["tokens"]] or [0.0]
         figures[name] = {
             "c1_p50_ms": 1000 * statistics.median(c1),
             "c16_p50_ms": 1000 * statistics.median(c16),
             "c16_p99_ms": 1000 * percentile(c16, 0.99),
             "chunks_per_token": statistics.median(ratio),
-            "chunks": statistics.median(r["chunks"] for r in answers),
+            "chunks": statistics.median(r["chunks"] for r in rows),
             "tokens": statistics.median(r["tokens"] for r in answers),
             "requests": len(c1) + len(c16),
         }
@@ -136,8 +139,8 @@ def summarize(out: dict[str, Any]) -> list[str]:
     )
     lines.append(
         f"chunks per answer (median): zkq {z['chunks']:.0f} of {z['tokens']:.0f} tokens "
-        f"({z['chunks_per_token']:.2f} a token); direct {d['chunks']:.0f} of {d['tokens']:.0f} "
-        f"({d['chunks_per_token']:.2f})"
+        f"({z['chunks_per_token']:.2f} a token); direct {d['chunks']:.0f} (its stream has no "
+        f"usage)"
     )
     cpu = out.get("cpu_per_request_ms")
     if cpu:
@@ -215,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             per_side = args.reps * (args.c1 + 16 * args.c16_rounds)
             out["cpu_per_request_ms"] = {k: 1000 * v / per_side for k, v in cpu.items()}
+        except BaseException:
+            log.flush()
+            print((Path(tmp) / "zkq.log").read_text()[-3000:], file=sys.stderr)
+            print(server.log_tail(), file=sys.stderr)
+            raise
         finally:
             stop_processes(procs, 30)
             log.close()
