@@ -24,7 +24,7 @@ nothing happened.
 
 Victims: the jobs this worker runs whose priority is below the urgent job's, the lowest
 priority first and among them the newest (the least work lost). Never a job whose caller
-already reads its output (a stream that published some), nor one preempted less than
+already reads its output (a stream with some output), nor one preempted less than
 ``protect`` seconds ago; at most ``per_minute`` preemptions a minute per worker. So preemption
 cannot thrash: a low job under a steady stream of high ones still advances between them.
 """
@@ -194,7 +194,7 @@ class Preemption:
                 job.claim is None
                 or job.cancel_reason is not None
                 or job.priority not in PREEMPTIBLE
-                or job.published  # its caller already reads its output
+                or (spec.stream and (job.partial_ids or job.partial))  # its caller reads it
                 or (
                     spec.preempted_at is not None and wall - spec.preempted_at < self.policy.protect
                 )

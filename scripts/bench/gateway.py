@@ -4,7 +4,9 @@
 
 1. Hold: ``--streams`` concurrent streaming completions (httpx, one connection each) against
    one gateway process and an echo worker that takes ``--hold`` seconds, so they are all open at
-   once. The gateway's thread count and RSS are read from /proc/PID/status every 0.2 s.
+   once. The gateway's thread count and RSS are read from /proc/PID/status every 0.2 s. A stream
+   counts as ok when it ends with ``[DONE]`` and its text is the job's output (the echo runner
+   answers with the prompt, a word at a time, each word a chunk straight from the worker).
 2. Latency: the same echo job (no delay) submitted and awaited ``--samples`` times over HTTP
    (non-streaming, one keep-alive connection) and as many times with the blocking Python API,
    in alternating blocks, sequentially; the p50 of each and their ratio.
@@ -85,23 +87,29 @@ class Sampler(threading.Thread):
 
 
 async def hold(url: str, streams: int) -> dict[str, Any]:
-    """Open every stream at once; count those that ended with [DONE]."""
+    """Open every stream at once; count those that ended with [DONE] and whose text is the
+    job's output (the echo runner's output is the prompt), and the chunks each came in."""
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(limits=limits, timeout=300) as http:
 
-        async def one(i: int) -> tuple[int, bool, float]:
-            body = {"model": "slow", "prompt": f"held request number {i}", "stream": True}
+        async def one(i: int) -> tuple[int, bool, float, bool, int]:
+            prompt = f"held request number {i}"
+            body = {"model": "slow", "prompt": prompt, "stream": True}
             started = time.monotonic()
             async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                done = [line async for line in response.aiter_lines()][-2:] == [
-                    "data: [DONE]",
-                    "",
-                ] or False
-                return response.status_code, done, time.monotonic() - started
+                lines = [line async for line in response.aiter_lines()]
+            done = lines[-2:] == ["data: [DONE]", ""]
+            chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            pieces = [c["choices"][0]["text"] for c in chunks if c.get("choices")]
+            texts = [p for p in pieces if p]
+            same = "".join(texts) == prompt
+            return response.status_code, done, time.monotonic() - started, same, len(texts)
 
         results = await asyncio.gather(*(one(i) for i in range(streams)))
     return {
-        "ok": sum(1 for code, done, _ in results if code == 200 and done),
+        "ok": sum(1 for code, done, _, same, _ in results if code == 200 and done and same),
+        "text_equal": sum(1 for r in results if r[3]),
+        "chunks_p50": statistics.median(r[4] for r in results),
         "seconds_p50": statistics.median(r[2] for r in results),
     }
 
@@ -223,6 +231,8 @@ def measure(url: str, client: Client, pid: int, args: argparse.Namespace) -> dic
         rounds.append(
             {
                 "streams_ok": held["ok"],
+                "text_equal_to_output": held["text_equal"],
+                "chunks_per_stream_p50": held["chunks_p50"],
                 "stream_seconds_p50": round(held["seconds_p50"], 2),
                 "seconds": round(time.monotonic() - started, 1),
                 "threads_max": max(s[1] for s in sampler.samples),

@@ -42,6 +42,8 @@ class Flight:
     rid: str = ""
     tokens: list[int] = field(default_factory=list)
     ttft_s: float | None = None
+    #: When the worker had the first token (unix seconds), as the openai runner reports it.
+    first_token_at: float | None = None
     warned_slow: bool = False
 
     def stop_cut(self, codec: Codec) -> str | None:
@@ -84,6 +86,7 @@ class Flight:
             "prompt_tokens": len(self.ids),
             "output_tokens": len(tokens),
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "first_token_at": self.first_token_at,
             "total_s": round(time.monotonic() - self.started, 6),
             "finish_reason": reason,
         }
@@ -120,6 +123,7 @@ class PlainPath:
             flight.tokens, job.progress = tokens, len(tokens)
             if flight.ttft_s is None:
                 flight.ttft_s = now - flight.started
+                flight.first_token_at = time.time()
             if spec.stream:
                 job.add_tokens(tokens)
             if job.cancelled.is_set():

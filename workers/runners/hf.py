@@ -27,9 +27,9 @@ What the engine cannot serve (a seeded sampled job, a job with ``min_new_tokens`
 when the runner was built with ``sampling=False``) runs alone through plain ``generate`` on a
 thread of its own, one job at a time (``workers.runners.flight.PlainPath``).
 
-``Outcome.extra``: prompt_tokens, output_tokens, ttft_s, total_s and finish_reason ("stop": end
+``Outcome.extra``: prompt_tokens, output_tokens, ttft_s, total_s, finish_reason ("stop": end
 of sequence or a stop string; "length": ``max_new_tokens``; None when cancelled, timed out or
-failed).
+failed), and for a job that streams, first_token_at (unix seconds).
 """
 
 from __future__ import annotations
@@ -275,6 +275,8 @@ class HFRunner:
         job, flight.tokens = flight.job, out.tokens
         if flight.ttft_s is None:
             flight.ttft_s = out.ttft_s
+            if streams(job.spec):  # an output per step: now is when the token came
+                flight.first_token_at = time.time()
         job.progress = len(out.tokens)
         if job.spec.stream:
             job.add_tokens(out.tokens)

@@ -137,8 +137,7 @@ class AsyncJob(JobPaths):
                         yield piece
                     woke = await self._pause(deadline, recheck, timeout)
                     fired, self._fired = self._fired, set()
-                    # Read everything after a quiet interval, or when the claim went away.
-                    full = body is None or not woke
+                    full = not woke  # a quiet interval: read everything (watches are hints)
             finally:
                 if tap is not None:
                     tap.close()
@@ -146,12 +145,14 @@ class AsyncJob(JobPaths):
     async def _read_stream(
         self, full: bool, fired: set[str]
     ) -> tuple[Result | None, ClaimBody | bool | None]:
-        """(the record if the job ended, the claim or None if there is none); only the claim
-        is read when only its watch fired."""
-        if full or fired - {self.claim_path}:
-            looked = await self._look(with_claim=True)
-            return (None, None) if looked is None else looked
-        return None, await self._read_claim()
+        """(the record if the job ended, the claim or None if there is none). When only the
+        claim's watch fired, the claim alone is read (one request), unless it is gone."""
+        if not full and not fired - {self.claim_path}:
+            body = await self._read_claim()
+            if body is not None:
+                return None, body
+        looked = await self._look(with_claim=True)
+        return (None, None) if looked is None else looked
 
     async def _pause(self, deadline: float | None, recheck: float, timeout: float | None) -> bool:
         """Wait for a watch or the recheck interval; True if a watch fired. Past the deadline

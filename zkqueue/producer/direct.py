@@ -167,12 +167,14 @@ class AsyncTap(Tap):
             async with http.stream("GET", self.url, headers=self.headers) as response:
                 if not self._opened(response.status_code):
                     return
-                reader = EventReader()
+                reader, over = EventReader(), False
                 async for line in response.aiter_lines():
-                    event = reader.feed(line)
-                    if event is not None and self._handle(event):
-                        return
-            self._closed_early("the worker closed the stream before its end")
+                    event = None if over else reader.feed(line)
+                    over = over or (event is not None and self._handle(event))
+                # Read to the answer's end (it ends right after its last event): the connection
+                # then goes back to the pool for the next stream from this worker.
+            if not over:
+                self._closed_early("the worker closed the stream before its end")
         except http_library().HTTPError as exc:
             self._closed_early(_describe(exc))
 
@@ -197,12 +199,14 @@ class ThreadTap(Tap):
                 self._response = response
                 if self._closing.is_set() or not self._opened(response.status_code):
                     return
-                reader = EventReader()
+                reader, over = EventReader(), False
                 for line in response.iter_lines():
-                    event = reader.feed(line)
-                    if self._closing.is_set() or (event is not None and self._handle(event)):
+                    if self._closing.is_set():
                         return
-            self._closed_early("the worker closed the stream before its end")
+                    event = None if over else reader.feed(line)
+                    over = over or (event is not None and self._handle(event))
+            if not over:
+                self._closed_early("the worker closed the stream before its end")
         except http_library().HTTPError as exc:
             if not self._closing.is_set():
                 self._closed_early(_describe(exc))
