@@ -197,7 +197,11 @@ def _listen(host: str, port: int) -> list[socket.socket]:
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
         for family, *_, address in dict.fromkeys(infos):  # the same address once
-            sockets.append(socket.create_server(address, family=family))
+            sock = socket.create_server(address, family=family)
+            # Accepted connections inherit it: a stream's chunk goes out at once, never held
+            # for the client's delayed acknowledgement of the chunk before.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sockets.append(sock)
     except OSError as exc:
         for sock in sockets:
             sock.close()
