@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--c16-rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-direct", action="store_true", help="the worker with --no-stream")
+    parser.add_argument(
+        "--worker-threads", type=int, default=None, help="torch CPU threads of the worker"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
@@ -176,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_direct:
             worker_cmd.append("--no-stream")
         port = free_port()
+        worker_env = dict(env)
+        if args.worker_threads:
+            worker_env["OMP_NUM_THREADS"] = str(args.worker_threads)
         procs = [
-            subprocess.Popen(worker_cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
+            subprocess.Popen(worker_cmd, env=worker_env, stdout=log, stderr=subprocess.STDOUT),
             subprocess.Popen(
                 [*base, "serve", "--port", str(port)],
                 env=env,
