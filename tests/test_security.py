@@ -188,6 +188,35 @@ def test_tls_end_to_end(tls_cluster: ZkCluster, root: str, worker_with) -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_streams_are_https_where_the_ensemble_uses_tls(
+    tls_cluster: ZkCluster, root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pki = tls_cluster.servers[0].pki
+    assert pki is not None
+    tls = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    zk = connect(ConnectionSettings(tls_cluster.secure_hosts, **tls))
+    # As the daemon does: the worker serves streams with its ZooKeeper client certificate.
+    opts = WorkerOptions(
+        root=root, heartbeat_interval=0.5, stream_tls=(tls["tls_cert"], tls["tls_key"])
+    )
+    handle = WorkerThread(Worker(zk, EchoRunner(delay=1.5), opts)).start()
+    try:
+        assert (handle.worker.claims.streams or "").startswith("https://127.0.0.1:")
+        words = " ".join(f"w{i}" for i in range(8))
+        with Client(tls_cluster.secure_hosts, root, **tls) as client:
+            job = client.submit(words, stream=True)
+            pieces = list(job.stream(timeout=30))
+            assert "".join(pieces) == words == job.result().output
+            # Word by word over HTTPS: a reader that fell back to the claim would have said so,
+            # and would get its first piece only after the worker's 1 s grace.
+            assert len(pieces) >= 5, pieces
+        assert not [r for r in caplog.records if r.name == "zkq.stream"]
+    finally:
+        handle.stop()
+        zk.stop()
+        zk.close()
+
+
 def test_tls_port_refuses_clients_without_a_certificate(tls_cluster: ZkCluster) -> None:
     pki = tls_cluster.servers[0].pki
     assert pki is not None
