@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import openai_format as fmt
+from gateway import ratelimits
 from gateway.config import ApiKey, GatewayConfig
 from gateway.errors import (
     AUTH,
@@ -38,6 +39,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics, endpoint_label
 from gateway.pools import Pools
+from gateway.ratelimits import RateLimits
 from gateway.sse import ClientGone, EventStream, until_hangup
 from gateway.sse import sse as _sse
 from zkqueue import defaults
@@ -63,6 +65,8 @@ class Gateway:
         cluster = Client(client.settings.hosts, client.layout.root or "/", zk=client.zk)
         self.metrics = GatewayMetrics(cluster if metrics else None)
         self._in_flight: dict[str, int] = {}
+        #: Per-key request and token rate limits (this process's buckets).
+        self.limits = RateLimits()
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -98,7 +102,11 @@ class Gateway:
         endpoint = "chat" if kind == fmt.CHAT else "completions"
         started = time.monotonic()
         key = self._authorize(request)
+        request.state.ratelimit = self.limits.headers(key)  # on every answer, errors too
         job_request = fmt.parse(kind, await _json(request), self.config.max_tokens)
+        cost = ratelimits.estimate(job_request.text, job_request.max_tokens)
+        grant = self.limits.admit(key, cost)
+        request.state.ratelimit = self.limits.headers(key)
         priority = self._priority(request, key, job_request.asked_priority)
         if job_request.names_tier:  # the answer names the tier the job ran at
             job_request = replace(job_request, tier=fmt.TIER_OF[priority])
@@ -111,10 +119,13 @@ class Gateway:
             release()
             raise
         headers = {"X-Zkq-Job": job.id, "X-Zkq-Queue": queue, "X-Zkq-Priority": priority}
+        headers.update(request.state.ratelimit)
         self.metrics.open.inc()
 
         def done() -> None:
             release()
+            record = job.record
+            self.limits.settle(grant, None if record is None else fmt.usage(record)["total_tokens"])
             self.metrics.open.dec()
             self.metrics.seconds.labels(endpoint).observe(time.monotonic() - started)
             if job.record is None:  # the caller went away, or an error: nobody reads it now
@@ -330,7 +341,9 @@ def _answer(error: ApiError, request: Request) -> Response:
     gateway = getattr(request.app.state, "gateway", None)
     if gateway is not None and request.url.path.startswith("/v1/"):
         gateway.metrics.requests.labels(endpoint_label(request.url.path), str(error.status)).inc()
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    # A key with rate limits hears them on every answer, errors too.
+    headers = {**getattr(request.state, "ratelimit", {}), **error.headers}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -15,6 +15,8 @@ priority = "high"      # the default priority of its requests
 max_priority = "high"  # the highest it may ask for with X-Priority (default: priority)
 max_pending = 100      # refuse (429) while its queue has this many jobs waiting
 max_in_flight = 20     # refuse (429) beyond this many open requests on one gateway process
+requests_per_minute = 600   # rate limits, per gateway process (429 with Retry-After beyond;
+tokens_per_minute = 200000  # tokens: prompt and completion; see gateway/ratelimits.py)
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class ApiKey:
     max_priority: str = defaults.PRIORITY
     max_pending: int | None = None
     max_in_flight: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
     def allows(self, priority: str) -> bool:
         """Whether this key may submit at ``priority`` (not above its max_priority)."""
@@ -104,12 +108,12 @@ def parse(raw: dict[str, Any]) -> GatewayConfig:
 
 def _key(index: int, raw: dict[str, Any]) -> ApiKey:
     where = f"[[keys]] #{index + 1}"
-    _only(raw, {"key", "name", "priority", "max_priority", "max_pending", "max_in_flight"}, where)
+    _only(raw, {"key", "name", "priority", "max_priority", *_LIMITS}, where)
     secret = raw.get("key")
     if not isinstance(secret, str) or len(secret) < 8:
         raise ValueError(f"{where}: key must be a string of at least 8 characters")
     priority = check_priority(raw.get("priority", defaults.PRIORITY))
-    limits = {n: raw.get(n) for n in ("max_pending", "max_in_flight")}
+    limits = {n: raw.get(n) for n in _LIMITS}
     for name, value in limits.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{where}: {name} must be a positive integer")
@@ -120,6 +124,10 @@ def _key(index: int, raw: dict[str, Any]) -> ApiKey:
         max_priority=check_priority(raw.get("max_priority", priority)),
         **limits,
     )
+
+
+#: A key's limits: positive integers, each optional.
+_LIMITS = ("max_pending", "max_in_flight", "requests_per_minute", "tokens_per_minute")
 
 
 def _only(raw: dict[str, Any], known: set[str], where: str) -> None:

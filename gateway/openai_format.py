@@ -87,6 +87,13 @@ class JobRequest:
     #: That tier (set by the gateway once it has chosen the priority).
     tier: str | None = None
 
+    @property
+    def text(self) -> str:
+        """The prompt, or the chat's contents (what the token rate limit estimates from)."""
+        if self.messages is None:
+            return self.prompt
+        return "".join(str(m.get("content", "")) for m in self.messages)
+
     def job_args(self) -> dict[str, Any]:
         """Keyword arguments of ``AsyncClient.submit`` (priority and queue apart)."""
         args = dict(self.params, max_new_tokens=self.max_tokens, stream=self.stream)

@@ -8,16 +8,17 @@ import asyncio
 import json
 import logging
 import signal
+import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import running_on, wait_for
+from tests.conftest import ZKQ, _env, running_on, wait_for
 from workers.runners.echo import EchoRunner
 from workers.streams import visible
 from zkqueue import AsyncClient, Client
-from zkqueue.errors import StreamInterrupted
+from zkqueue.errors import ExitCode, StreamInterrupted
 from zkqueue.protocol.layout import Layout
 from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.streaming import EventReader
@@ -134,6 +135,26 @@ def test_a_worker_killed_mid_stream_interrupts_the_stream_and_loses_no_job(
     spawn_worker("--runner", "echo", "--echo-delay", "0.5")
     record = client.job(job.id).result(timeout=60)
     assert record.ok and record.output == WORDS and record.attempts == 2
+
+
+def test_zkq_submit_stream_cut_by_a_killed_worker_exits_11(
+    client: Client, spawn_worker, hosts: str, root: str
+) -> None:
+    worker = spawn_worker("--runner", "echo", "--echo-delay", "6", "--lease", "2")
+    wait_for(lambda: len(client.workers()) >= 1, message="worker registered")
+    command = [*ZKQ, "--zk", hosts, "--root", root, "submit", "--stream", WORDS]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.read(2)  # "w0": the stream has begun
+        worker.send_signal(signal.SIGKILL)
+        out = first + proc.stdout.read()
+        err = proc.stderr.read()
+        proc.wait(60)
+    assert proc.returncode == ExitCode.STREAM_INTERRUPTED, err
+    assert "stream of job" in err and "stopped after" in err and "Traceback" not in err, err
+    assert WORDS.startswith(out.strip())
 
 
 def test_a_retry_streams_in_full_when_nothing_was_sent_yet(

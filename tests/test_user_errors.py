@@ -347,8 +347,15 @@ def test_ctrl_c_says_what_was_submitted(
 # -- README's exit codes -------------------------------------------------------------------
 
 #: Codes other tests assert: the timeouts (tests/test_timeouts.py asserts 4 and 6 too), Ctrl-C,
-#: and a withdrawn request (tests/test_protocol.py).
-ELSEWHERE = {ExitCode.OK, ExitCode.TIMEOUT, ExitCode.INTERRUPTED, ExitCode.WITHDRAWN}
+#: a withdrawn request (tests/test_protocol.py), a stream cut by a killed worker
+#: (tests/test_direct_stream.py).
+ELSEWHERE = {
+    ExitCode.OK,
+    ExitCode.TIMEOUT,
+    ExitCode.INTERRUPTED,
+    ExitCode.WITHDRAWN,
+    ExitCode.STREAM_INTERRUPTED,
+}
 
 
 def readme_exit_codes() -> dict[int, str]:
