@@ -40,7 +40,12 @@ def zookeeper_restart(
         pids = [w.pid for w in fleet]
         before = [st.client.submit(f"before {i}", detach=True).id for i in range(jobs // 2)]
         waiters = [Waiter(st.client, f"attached {i}", outage + 60).start() for i in range(attached)]
-        need(lambda: all(w.job for w in waiters) and st.claims_by_worker(), 30, "jobs running")
+        # Every worker holds jobs through the outage: then each must complete some after it.
+        need(
+            lambda: all(w.job for w in waiters) and len(st.claims_by_worker()) == workers,
+            30,
+            "jobs running on every worker",
+        )
         t_stop = time.time()
         server.stop()
         hold(
