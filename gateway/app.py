@@ -104,19 +104,23 @@ class Gateway:
         key = self._authorize(request)
         request.state.ratelimit = self.limits.headers(key)  # on every answer, errors too
         job_request = fmt.parse(kind, await _json(request), self.config.max_tokens)
-        cost = ratelimits.estimate(job_request.text, job_request.max_tokens)
-        grant = self.limits.admit(key, cost)
-        request.state.ratelimit = self.limits.headers(key)
         priority = self._priority(request, key, job_request.asked_priority)
         if job_request.names_tier:  # the answer names the tier the job ran at
             job_request = replace(job_request, tier=fmt.TIER_OF[priority])
         timeout = self._timeout(request)
         queue = await self.pools.queue_for(job_request.model)
         release = self._hold(key)
+        grant = None
         try:
+            # Rate limits last: a request refused for any other reason takes nothing.
+            cost = ratelimits.estimate(job_request.text, job_request.max_tokens)
+            grant = self.limits.admit(key, cost)
+            request.state.ratelimit = self.limits.headers(key)
             job = await self._submit(job_request, queue, priority, key)
         except BaseException:
             release()
+            self.limits.refund(grant)
+            request.state.ratelimit = self.limits.headers(key)
             raise
         headers = {"X-Zkq-Job": job.id, "X-Zkq-Queue": queue, "X-Zkq-Priority": priority}
         headers.update(request.state.ratelimit)
@@ -124,8 +128,7 @@ class Gateway:
 
         def done() -> None:
             release()
-            record = job.record
-            self.limits.settle(grant, None if record is None else fmt.usage(record)["total_tokens"])
+            self.limits.settle(grant, None if job.record is None else fmt.used_tokens(job.record))
             self.metrics.open.dec()
             self.metrics.seconds.labels(endpoint).observe(time.monotonic() - started)
             if job.record is None:  # the caller went away, or an error: nobody reads it now

@@ -96,6 +96,8 @@ def parse(raw: dict[str, Any]) -> GatewayConfig:
     keys = tuple(_key(i, dict(k)) for i, k in enumerate(raw.get("keys", [])))
     if len({k.key for k in keys}) != len(keys):
         raise ValueError("the same key appears twice in [[keys]]")
+    if len({k.name for k in keys}) != len(keys):  # names label metrics and rate limits
+        raise ValueError("two [[keys]] have the same name")
     config = GatewayConfig(
         timeout=_positive(section.get("timeout", TIMEOUT), "timeout"),
         max_tokens=int(_positive(section.get("max_tokens", defaults.MAX_NEW_TOKENS), "max_tokens")),

@@ -265,6 +265,14 @@ def usage(record: Result) -> dict[str, int]:
     }
 
 
+def used_tokens(record: Result) -> int | None:
+    """Prompt and completion tokens of a finished job; None when it reported neither."""
+    extra = record.extra
+    if "prompt_tokens" not in extra and "output_tokens" not in extra:
+        return None
+    return usage(record)["total_tokens"]
+
+
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 

@@ -47,6 +47,7 @@ class Bucket:
         self.level -= amount
 
     def give(self, amount: float) -> None:
+        """Put back ``amount`` (never above the limit); a negative amount takes more."""
         self._refill()
         self.level = min(self.limit, self.level + amount)
 
@@ -124,13 +125,25 @@ class RateLimits:
 
     def settle(self, grant: Grant | None, used: int | None) -> None:
         """The request ended having used ``used`` tokens (None: unknown, the estimate
-        stands): give back what the estimate took beyond it."""
+        stands): give back what the estimate took beyond it, or take what it missed."""
         if grant is None or grant.settled:
             return
         grant.settled = True
         bucket = self._tokens.get(grant.key)
-        if bucket is not None and used is not None and used < grant.tokens:
-            bucket.give(grant.tokens - used)
+        if bucket is not None and used is not None:
+            bucket.give(grant.tokens - used)  # negative: an answer longer than estimated
+
+    def refund(self, grant: Grant | None) -> None:
+        """The request was refused after it was admitted (its queue full, no worker...): it
+        takes nothing, neither its request nor its tokens."""
+        if grant is None or grant.settled:
+            return
+        grant.settled = True
+        requests, tokens = self._requests.get(grant.key), self._tokens.get(grant.key)
+        if requests is not None:
+            requests.give(1)
+        if tokens is not None:
+            tokens.give(grant.tokens)
 
     def headers(self, key: ApiKey | None) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers of the key's limits ({} for a key without)."""
@@ -151,9 +164,11 @@ def estimate(prompt: str, max_tokens: int) -> int:
 
 
 def duration(seconds: float) -> str:
-    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``."""
-    if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
-    minutes, rest = divmod(seconds, 60)
-    rest_text = f"{rest:.3g}s" if rest else "0s"
-    return f"{int(minutes)}m{rest_text}" if minutes else rest_text
+    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``
+    (to the millisecond)."""
+    millis = max(0, round(seconds * 1000))
+    if millis < 1000:
+        return f"{millis}ms"
+    minutes, rest = divmod(millis, 60_000)
+    text = f"{rest // 1000}.{rest % 1000:03d}".rstrip("0").rstrip(".") + "s"
+    return f"{minutes}m{text}" if minutes else text

@@ -137,6 +137,20 @@ def test_a_worker_killed_mid_stream_interrupts_the_stream_and_loses_no_job(
     assert record.ok and record.output == WORDS and record.attempts == 2
 
 
+def test_a_job_cancelled_mid_stream_ends_with_its_record_not_an_interruption(
+    client: Client, start_worker
+) -> None:
+    start_worker(EchoRunner(delay=4.0))
+    job = client.submit(WORDS, stream=True)
+    got = []
+    for piece in job.stream(timeout=30):  # no StreamInterrupted: the job ended, cancelled
+        got.append(piece)
+        if len(got) == 2:
+            assert client.job(job.id).cancel()
+    assert 2 <= len(got) < len(WORDS.split()) and WORDS.startswith("".join(got))
+    assert job.result().status == "cancelled"
+
+
 def test_zkq_submit_stream_cut_by_a_killed_worker_exits_11(
     client: Client, spawn_worker, hosts: str, root: str
 ) -> None:

@@ -94,13 +94,25 @@ def test_rate_limits_in_the_config_file() -> None:
     config = parse({"keys": [{"key": KEY, "requests_per_minute": 60, "tokens_per_minute": 90000}]})
     assert config.keys[0].requests_per_minute == 60
     assert config.keys[0].tokens_per_minute == 90000
+    with pytest.raises(ValueError, match="same name"):
+        parse({"keys": [{"key": KEY, "name": "key-2"}, {"key": KEY + "x"}]})
     for bad in (0, -1, 1.5, "many"):
         with pytest.raises(ValueError, match="tokens_per_minute must be a positive integer"):
             parse({"keys": [{"key": KEY, "tokens_per_minute": bad}]})
 
 
 @pytest.mark.parametrize(
-    ("seconds", "text"), [(0.02, "20ms"), (0.0, "0ms"), (1.5, "1.5s"), (360, "6m0s"), (61, "1m1s")]
+    ("seconds", "text"),
+    [
+        (0.02, "20ms"),
+        (0.0, "0ms"),
+        (1.5, "1.5s"),
+        (360, "6m0s"),
+        (61, "1m1s"),
+        (119.9996, "2m0s"),
+        (60.00001, "1m0s"),
+        (1.25, "1.25s"),
+    ],
 )
 def test_reset_durations_read_as_openai_writes_them(seconds: float, text: str) -> None:
     assert duration(seconds) == text

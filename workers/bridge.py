@@ -20,7 +20,7 @@ from kazoo.protocol.states import EventType, WatchedEvent
 
 from workers.events import Event
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
-from workers.streams import StreamServer
+from workers.streams import StreamServer, visible
 from zkqueue import defaults
 from zkqueue.plumbing.logs import job_context
 from zkqueue.plumbing.watches import remove_data_watch
@@ -144,7 +144,7 @@ class RunnerBridge:
             streaming = [j for j in streaming if not streams.served(j)]
         changed = []
         for job in streaming:
-            text = job.partial_text()
+            text = visible(job.partial_text(), job.spec.stop)  # never text a stop string cuts
             if text != job.published and job.claim is not None:
                 job.published = text
                 self.claims.set_partial(job.claim, text)

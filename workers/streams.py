@@ -50,9 +50,9 @@ log = logging.getLogger("zkq.streams")
 #: A job with no direct reader this long after its claim also writes its output to its claim.
 FALLBACK_AFTER = 1.0
 #: How long a request for a job not (yet) held waits for it: a reader that saw the claim can be
-#: a moment ahead of the worker that made it.
+#: a moment ahead of the worker that made it. At most _MAX_WAITING requests wait at once.
 _OPEN_WAIT = 2.0
-_OPEN_POLL = 0.005
+_MAX_WAITING = 1024
 _START_TIMEOUT = 10.0
 
 
@@ -87,11 +87,18 @@ class Feed:
         #: The final output of a job that ended with a result.
         self.final: str | None = None
         self._loop = loop
+        self._size = (0, 0)
+        self._text = ""
 
     def text(self) -> str:
+        """What readers may see now; decoded once per growth of the output, not per reader."""
         if self.final is not None:
             return self.final
-        return visible(self.job.partial_text(), self.job.spec.stop)
+        job = self.job
+        size = (len(job.partial_ids), len(job.partial))
+        if size != self._size:
+            self._size, self._text = size, visible(job.partial_text(), job.spec.stop)
+        return self._text
 
     def wake(self) -> None:
         """From any thread: tell the readers there is more (nothing to do without readers)."""
@@ -130,6 +137,8 @@ class StreamServer:
         self.base: str | None = None
         self.feeds: dict[str, Feed] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Readers that came for a job a moment before its feed opened (on the server's loop).
+        self._waiting: dict[str, asyncio.Event] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -184,6 +193,8 @@ class StreamServer:
         feed = Feed(job, claim.body.secret, loop)
         job.on_output = feed.wake
         self.feeds[job.id] = feed
+        with contextlib.suppress(RuntimeError):  # a reader may be waiting for it already
+            loop.call_soon_threadsafe(self._announce, job.id)
 
     def end(self, job: RunningJob, outcome: Outcome | None = None) -> None:
         """The job ended (``outcome``) or stopped without a result here (None, or a released
@@ -245,25 +256,49 @@ class StreamServer:
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _find(self, job_id: str) -> Feed | None:
-        deadline = time.monotonic() + _OPEN_WAIT
-        while (feed := self.feeds.get(job_id)) is None and time.monotonic() < deadline:
-            await asyncio.sleep(_OPEN_POLL)
-        return feed
+        """The job's feed; a job not held yet is waited for a moment (``open`` announces it),
+        at most ``_MAX_WAITING`` such requests at once."""
+        feed = self.feeds.get(job_id)
+        if feed is not None or len(self._waiting) >= _MAX_WAITING:
+            return feed
+        announced = self._waiting.setdefault(job_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_OPEN_WAIT):
+                await announced.wait()
+        if self._waiting.get(job_id) is announced and not announced.is_set():
+            del self._waiting[job_id]
+        return self.feeds.get(job_id)
 
-    async def _events(self, feed: Feed, sent: int) -> AsyncIterator[bytes]:
+    def _announce(self, job_id: str) -> None:
+        announced = self._waiting.pop(job_id, None)
+        if announced is not None:
+            announced.set()
+
+    async def _events(self, feed: Feed, offset: int) -> AsyncIterator[bytes]:
+        """The pieces from ``offset`` as they come, then how the attempt ended. ``shown`` is
+        what this reader was sent: a piece is only ever its continuation."""
         wake = asyncio.Event()
         feed.readers.add(wake)
+        shown: str | None = None
         try:
             while True:
                 wake.clear()
                 ended, text = feed.ended, feed.text()
-                if len(text) > sent:
-                    yield StreamEvent(streaming.PIECE, text[sent:], sent).to_bytes()
-                    sent = len(text)
+                if shown is None:
+                    shown = text[:offset]
+                if len(text) > len(shown) and text.startswith(shown):
+                    yield StreamEvent(streaming.PIECE, text[len(shown) :], len(shown)).to_bytes()
+                    shown = text
                 if ended is not None:
+                    # A final output that does not continue what was sent (it should) is not
+                    # patched here: the reader compares the result with what it got.
                     yield ended.to_bytes()
                     return
-                await wake.wait()
+                try:
+                    async with asyncio.timeout(streaming.HEARTBEAT):
+                        await wake.wait()
+                except TimeoutError:
+                    yield b": ping\n\n"
         finally:
             feed.readers.discard(wake)
 

@@ -104,6 +104,7 @@ class AsyncJob(JobPaths):
         deadline = None if timeout is None else time.monotonic() + timeout
         transcript, tap = Transcript(self.id), None
         full, fired = True, set[str]()
+        broken: str | None = None  # why the attempt that streamed text stopped
         with self._withdrawn_if_abandoned():
             try:
                 while self.record is None:
@@ -116,18 +117,21 @@ class AsyncJob(JobPaths):
                         except _AWAY:
                             recheck = _RECONNECT_POLL
                     if found is not None:
-                        piece = transcript.final(self._accept(found).output)
+                        piece = transcript.final(self._accept(found))
                         if piece:
                             yield piece
                         return
+                    if broken is not None:  # and no result: the rest of that text is lost
+                        transcript.interrupted(broken)
                     if isinstance(body, ClaimBody) and transcript.claim(body.token):
                         if tap is not None:
                             tap.close()
                         http = self.client.stream_http() if tappable(body) else None
                         tap = None if http is None else AsyncTap(http, body, self._wake.set)
                     if tap is not None and tap.state == TapState.BROKEN:
-                        if transcript.sent:
-                            transcript.interrupted(tap.why)
+                        if transcript.sent:  # one more look: a cancel or a failure has a result
+                            broken, tap, full = tap.why, None, True
+                            continue
                         tap = None
                     text = tap.text if tap is not None and tap.serving else None
                     if text is None and isinstance(body, ClaimBody):

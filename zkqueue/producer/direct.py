@@ -32,12 +32,18 @@ from typing import Any
 from zkqueue.errors import StreamInterrupted
 from zkqueue.protocol import streaming
 from zkqueue.protocol.records import ClaimBody
+from zkqueue.protocol.result import Result
 from zkqueue.protocol.streaming import EventReader, StreamEvent
 
 log = logging.getLogger("zkq.stream")
 
 #: Seconds to connect to a worker's stream before falling back to the claim.
 CONNECT_TIMEOUT = 2.0
+#: Seconds without a byte (a worker sends a comment every ``streaming.HEARTBEAT`` seconds at
+#: least) before a connection counts as cut.
+READ_TIMEOUT = 3 * streaming.HEARTBEAT
+#: Connections again, resuming from the text so far, after one was cut part-way.
+RESUMES = 1
 #: Stream URLs (their scheme://host:port) we already said we cannot reach: said once each.
 _warned: set[str] = set()
 
@@ -79,12 +85,15 @@ class Transcript:
             return piece
         return ""
 
-    def final(self, output: str) -> str:
-        """The rest of the authoritative output; raises StreamInterrupted if the text handed
-        out is not its start."""
-        if not output.startswith(self.sent):
+    def final(self, record: Result) -> str:
+        """The rest of the authoritative output. A job that did not succeed (cancelled,
+        failed, timed out) ends its stream with its record, whatever was streamed; one that
+        did raises StreamInterrupted if the text handed out is not its output's start."""
+        if not record.ok:
+            return ""
+        if not record.output.startswith(self.sent):
             self.interrupted("its result differs from the text streamed (a retry's answer)")
-        return self.take(output)
+        return self.take(record.output)
 
     def interrupted(self, why: str) -> None:
         raise StreamInterrupted(
@@ -112,11 +121,19 @@ class Tap:
         """Whether this tap carries the attempt's text (else the claim does)."""
         return self.state in (TapState.CONNECTING, TapState.LIVE, TapState.ENDED)
 
+    def _params(self) -> dict[str, int] | None:
+        """A second connection resumes where the first stopped."""
+        return {"offset": len(self.text)} if self.text else None
+
     def _opened(self, status: int) -> bool:
         if status == 200:
             self.state = TapState.LIVE
             return True
-        why = {403: "the worker refused the secret", 404: "the job no longer runs there"}
+        if status == 404 and self.state == TapState.LIVE:
+            # Resuming, the job no longer runs there: it ended or moved; ZooKeeper will say.
+            self._fall_back("the job no longer runs there", warn=False)
+            return False
+        why = {403: "the worker refused the secret", 404: "the job does not run there"}
         self._fall_back(why.get(status, f"the worker answered {status}"), warn=status != 404)
         return False
 
@@ -135,6 +152,8 @@ class Tap:
         return True
 
     def _closed_early(self, why: str) -> None:
+        """The stream stopped without its end: the attempt broke if it had begun, else the
+        worker is out of reach (the claim carries the text instead)."""
         if self.state == TapState.LIVE:
             self.state, self.why = TapState.BROKEN, why
         else:
@@ -163,20 +182,31 @@ class AsyncTap(Tap):
         self._task = asyncio.ensure_future(self._read(http))
 
     async def _read(self, http: Any) -> None:
-        try:
-            async with http.stream("GET", self.url, headers=self.headers) as response:
-                if not self._opened(response.status_code):
+        why = ""
+        for _ in range(1 + RESUMES):
+            try:
+                if await self._read_once(http) or self.state != TapState.LIVE:
                     return
-                reader, over = EventReader(), False
-                async for line in response.aiter_lines():
-                    event = None if over else reader.feed(line)
-                    over = over or (event is not None and self._handle(event))
-                # Read to the answer's end (it ends right after its last event): the connection
-                # then goes back to the pool for the next stream from this worker.
-            if not over:
-                self._closed_early("the worker closed the stream before its end")
-        except http_library().HTTPError as exc:
-            self._closed_early(_describe(exc))
+                why = "the worker closed the stream before its end"
+            except Exception as exc:  # httpx's errors, and any surprise: never a lost traceback
+                why = _describe(exc)
+                if self.state != TapState.LIVE:
+                    break
+        self._closed_early(why)
+
+    async def _read_once(self, http: Any) -> bool:
+        """One connection; True once the stream is over (ended, stopped, or fallen back)."""
+        params = self._params()
+        async with http.stream("GET", self.url, headers=self.headers, params=params) as answer:
+            if not self._opened(answer.status_code):
+                return True
+            reader, over = EventReader(), False
+            async for line in answer.aiter_lines():
+                event = None if over else reader.feed(line)
+                over = over or (event is not None and self._handle(event))
+            # Read to the answer's end (it ends right after its last event): the connection
+            # then goes back to the pool for the next stream from this worker.
+        return over
 
     def close(self) -> None:
         self._task.cancel()
@@ -194,22 +224,32 @@ class ThreadTap(Tap):
         self._thread.start()
 
     def _read(self, http: Any) -> None:
-        try:
-            with http.stream("GET", self.url, headers=self.headers) as response:
-                self._response = response
-                if self._closing.is_set() or not self._opened(response.status_code):
+        why = ""
+        for _ in range(1 + RESUMES):
+            try:
+                if self._read_once(http) or self.state != TapState.LIVE:
                     return
-                reader, over = EventReader(), False
-                for line in response.iter_lines():
-                    if self._closing.is_set():
-                        return
-                    event = None if over else reader.feed(line)
-                    over = over or (event is not None and self._handle(event))
-            if not over:
-                self._closed_early("the worker closed the stream before its end")
-        except http_library().HTTPError as exc:
-            if not self._closing.is_set():
-                self._closed_early(_describe(exc))
+                why = "the worker closed the stream before its end"
+            except Exception as exc:  # also what closing the response under a read raises
+                why = _describe(exc)
+                if self._closing.is_set() or self.state != TapState.LIVE:
+                    break
+        if not self._closing.is_set():
+            self._closed_early(why)
+
+    def _read_once(self, http: Any) -> bool:
+        params = self._params()
+        with http.stream("GET", self.url, headers=self.headers, params=params) as answer:
+            self._response = answer
+            if self._closing.is_set() or not self._opened(answer.status_code):
+                return True
+            reader, over = EventReader(), False
+            for line in answer.iter_lines():
+                if self._closing.is_set():
+                    return True
+                event = None if over else reader.feed(line)
+                over = over or (event is not None and self._handle(event))
+        return over
 
     def close(self) -> None:
         self._closing.set()
@@ -253,7 +293,7 @@ def http_options(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) 
         if tls_cert and tls_key:
             verify.load_cert_chain(tls_cert, tls_key)
     return {
-        "timeout": httpx.Timeout(None, connect=CONNECT_TIMEOUT),
+        "timeout": httpx.Timeout(None, connect=CONNECT_TIMEOUT, read=READ_TIMEOUT),
         "limits": httpx.Limits(max_connections=None, max_keepalive_connections=64),
         "verify": verify,
         "trust_env": False,

@@ -122,7 +122,7 @@ class Job(JobPaths):
         deadline = None if timeout is None else time.monotonic() + timeout
         transcript, tap = Transcript(self.id), None
         self._armed = None  # each look below sets the watch it needs
-        look = True
+        look, broken = True, None  # broken: why the attempt that streamed text stopped
         try:
             while self._result is None:
                 self._fired.clear()
@@ -131,18 +131,21 @@ class Job(JobPaths):
                     with self.client.mapped():
                         body, record = self._look_stream(self._on_watch, _bound(deadline))
                 if record is not None:
-                    piece = transcript.final(self._accept(record).output)
+                    piece = transcript.final(self._accept(record))
                     if piece:
                         yield piece
                     return
+                if broken is not None:  # and no result: the rest of that text is lost
+                    transcript.interrupted(broken)
                 if body is not None and transcript.claim(body.token):
                     if tap is not None:
                         tap.close()
                     http = self.client.stream_http() if tappable(body) else None
                     tap = None if http is None else ThreadTap(http, body, self._tap_wake)
                 if tap is not None and tap.state == TapState.BROKEN:
-                    if transcript.sent:
-                        transcript.interrupted(tap.why)
+                    if transcript.sent:  # one more look: a cancel or a failure has a result
+                        broken, tap, look = tap.why, None, True
+                        continue
                     tap = None
                 text = tap.text if tap is not None and tap.serving else None
                 piece = transcript.take(text if text is not None else (body and body.partial) or "")
@@ -151,12 +154,13 @@ class Job(JobPaths):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise self._give_up(timeout)
-                self._tapped = False
                 self._fired.wait(
                     _RECHECK_SECONDS if remaining is None else min(remaining, _RECHECK_SECONDS)
                 )
-                look = not self._tapped or self._watched
-                self._watched = False
+                # Read ZooKeeper unless only the tap woke us (a watch, or a quiet interval).
+                watched, self._watched = self._watched, False
+                tapped, self._tapped = self._tapped, False
+                look = watched or not tapped
         finally:
             if tap is not None:
                 tap.close()

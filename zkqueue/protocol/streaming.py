@@ -36,6 +36,9 @@ from dataclasses import dataclass
 
 #: Where a worker's stream server serves streams: ``<base>/<job id>``.
 PATH = "/v1/streams"
+#: A worker sends a comment line (``: ping``) after this many seconds without an event, so that
+#: readers and proxies can tell a quiet stream (a long prefill) from a cut one.
+HEARTBEAT = 15.0
 #: The events besides pieces.
 END = "end"
 ERROR = "error"
