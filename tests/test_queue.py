@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.runners import GateRunner, RecordingRunner
+from workers.runners.echo import EchoRunner
 from zkqueue import Client, JobTimeout, JobWithdrawn
 from zkqueue.errors import JobNotFound
 
@@ -84,6 +85,24 @@ def test_detached_result_stays(client: Client, start_worker, layout) -> None:
     job.result(timeout=10)
     assert client.zk.exists(layout.result("default", job.id)) is not None
     assert client.job(job.id).status() == "succeeded"
+
+
+def test_a_pending_job_says_when_it_may_start_at_the_recent_rate(
+    client: Client, start_worker, zkq
+) -> None:
+    assert client.submit("x", detach=True).info()["starts_in_s"] is None  # no worker: no rate
+    start_worker(EchoRunner(delay=0.1), slots=1)
+    for i in range(60):
+        client.submit(f"backlog {i}", detach=True)
+    wait_for(lambda: any(w["rate"] > 0 for w in client.workers()), timeout=15, message="a rate")
+    last = client.submit("the last one", priority="low", detach=True)
+    info = last.info()
+    rate = sum(w["rate"] for w in client.workers())
+    assert info["state"] == "pending" and info["position"] > 10
+    # About its position over the rate of finished jobs (at most 10 a second here).
+    assert info["starts_in_s"] >= info["position"] / 10 * 0.9
+    assert abs(info["starts_in_s"] - info["position"] / rate) <= 0.5 * info["starts_in_s"]
+    assert "s at the recent rate" in zkq("status", last.id).stdout
 
 
 def test_status_and_position_of_pending_jobs(client: Client) -> None:

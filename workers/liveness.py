@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from kazoo.protocol.states import KazooState
@@ -25,6 +26,9 @@ from workers.runners.base import CancelReason, RunningJob
 from zkqueue.plumbing.connection import TRANSIENT
 from zkqueue.protocol.claims import Claim, Claims
 from zkqueue.protocol.registry import Registry, WorkerRecord
+
+#: Seconds over which the registration's ``rate`` counts finished jobs.
+RATE_WINDOW = 60.0
 
 log = logging.getLogger("zkq.worker")
 
@@ -61,6 +65,8 @@ class Liveness:
         #: A call failed with the connection, so what it wrote may exist unseen (the loop sweeps).
         self.unsure = False
         self.next_heartbeat = 0.0
+        #: (monotonic seconds, jobs finished) at each heartbeat of the last RATE_WINDOW.
+        self._finished: deque[tuple[float, int]] = deque()
         self.next_renewal = 0.0
         self._progress_mark: tuple[int, ...] = ()
 
@@ -145,6 +151,7 @@ class Liveness:
         record.slots_busy = len(self.held)
         record.running = [j.id for j in self.held.values()]
         record.completed, record.failed, record.preempted = stats
+        record.rate = self._rate(now, record.completed)
         record.memory = self.cache_figures()
         if self.runner_figures is not None:
             self.runner_figures(record)
@@ -156,6 +163,15 @@ class Liveness:
         except TRANSIENT:
             self.suspended = True
         return True
+
+    def _rate(self, now: float, completed: int) -> float:
+        """Jobs finished a second over the last RATE_WINDOW seconds (from heartbeats)."""
+        samples = self._finished
+        samples.append((now, completed))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW:
+            samples.popleft()  # keep one sample at least RATE_WINDOW old as the base
+        since, base = samples[0]
+        return round((completed - base) / (now - since), 3) if now > since else 0.0
 
     def cache_figures(self) -> dict[str, int | None] | None:
         """The KV cache as the registration shows it (None without a cache)."""

@@ -281,7 +281,10 @@ def status(ctx: click.Context, job_id: str, queue: str | None, as_json: bool) ->
         return
     line = f"{info['state']}"
     if info.get("position") is not None:
-        line += f" (position {info['position']})"
+        line += f" (position {info['position']}"
+        if info.get("starts_in_s") is not None:
+            line += f", starts in about {info['starts_in_s']:g} s at the recent rate"
+        line += ")"
     if info.get("worker"):
         line += f" on {info['worker']}"
     click.echo(line)

@@ -272,6 +272,13 @@ class Client(ClientBase):
         with self.mapped():
             return listing.position(self.zk, self.layout, queue, entry)
 
+    def start_estimate(self, queue: str, position: int) -> float | None:
+        """Seconds until the job at ``position`` (1 = next) may start, from the rate at which
+        the queue's workers finished jobs over the last minute (their registrations' ``rate``);
+        None when they finished none. An estimate: more urgent jobs arriving push it back."""
+        rate = sum(float(w.get("rate") or 0.0) for w in self.workers() if w.get("queue") == queue)
+        return round(position / rate, 1) if rate > 0 else None
+
     def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
         """Pending and running jobs of a queue in dispatch order, at most ``limit`` (None: all),
         listing one bucket (~1,000 entries) at a time."""

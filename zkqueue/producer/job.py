@@ -45,6 +45,8 @@ class Owner(Protocol):
 
     def position(self, queue: str, entry: str) -> int | None: ...
 
+    def start_estimate(self, queue: str, position: int) -> float | None: ...
+
     def stream_http(self) -> Any: ...
 
 
@@ -386,7 +388,10 @@ class Job(JobPaths):
         if claim is not None:
             info.update(state=RUNNING, worker=claim.worker)
         else:
-            info.update(state=PENDING, position=self.client.position(self.queue, self.entry or ""))
+            position = self.client.position(self.queue, self.entry or "")
+            info.update(state=PENDING, position=position)
+            if position is not None:
+                info["starts_in_s"] = self.client.start_estimate(self.queue, position)
         return info
 
     def _withdrawn_info(self) -> dict[str, Any]:

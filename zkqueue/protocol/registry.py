@@ -39,6 +39,8 @@ class WorkerRecord:
     failed: int = 0
     #: Jobs this worker gave back to the queue for a more urgent one since it started.
     preempted: int = 0
+    #: Jobs it finished a second over about the last minute (a producer's start estimate).
+    rate: float = 0.0
     running: list[str] = field(default_factory=list)
     #: Runner figures: model, device, dtype, weight_bytes...
     runner_info: dict[str, Any] = field(default_factory=dict)
