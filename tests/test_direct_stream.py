@@ -34,8 +34,9 @@ def claim_of(client: Client, job_id: str) -> ClaimBody:
 def test_the_claim_names_a_stream_and_the_tokens_never_go_through_zookeeper(
     client: Client, hosts: str, root: str, start_worker
 ) -> None:
-    start_worker(EchoRunner(delay=2.0))
+    registry = start_worker(EchoRunner(delay=2.0)).worker.metrics.registry
     claims_seen: list[ClaimBody] = []
+    readers: list[float | None] = []
 
     async def read() -> tuple[list[str], str]:
         async with AsyncClient(hosts, root) as aio:
@@ -45,14 +46,19 @@ def test_the_claim_names_a_stream_and_the_tokens_never_go_through_zookeeper(
                 pieces.append(piece)
                 if len(pieces) == 2:
                     claims_seen.append(await asyncio.to_thread(claim_of, client, job.id))
+                    readers.append(registry.get_sample_value("zkq_stream_readers"))
             assert job.record is not None
             return pieces, job.record.output
 
     pieces, output = asyncio.run(read())
+    assert readers == [1.0]  # the worker's gauge counted this reader
+    assert registry.get_sample_value("zkq_stream_claim_writes_total") == 0
     assert "".join(pieces) == output == WORDS
     assert len(pieces) >= 6, pieces  # a piece per word (the echo runner's tick), not 4 a second
     claim = claims_seen[0]
     assert claim.stream is not None and claim.stream.startswith("http://")
+    (worker,) = client.workers()
+    assert claim.stream == f"{worker['streams']}/{claim.stream.rsplit('/', 1)[1]}"
     assert claim.secret and len(claim.secret) >= 24
     assert claim.partial is None  # a direct reader took it: nothing written into the claim
 
@@ -97,7 +103,7 @@ def test_a_reader_that_cannot_reach_the_worker_streams_from_the_claim(
     client: Client, start_worker, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The claims name an address nothing listens on (a firewall between reader and worker).
-    start_worker(EchoRunner(delay=2.0), stream_advertise="127.0.0.1:1")
+    worker = start_worker(EchoRunner(delay=2.0), stream_advertise="127.0.0.1:1")
     caplog.set_level(logging.WARNING, logger="zkq.stream")
     job = client.submit(WORDS, stream=True)
     pieces = list(job.stream(timeout=30))
@@ -105,6 +111,8 @@ def test_a_reader_that_cannot_reach_the_worker_streams_from_the_claim(
     assert len(pieces) >= 2, pieces  # the claim's partial output, then the rest
     said = [r.getMessage() for r in caplog.records if r.name == "zkq.stream"]
     assert any("127.0.0.1:1" in line and "claim" in line for line in said), said
+    writes = worker.worker.metrics.registry.get_sample_value("zkq_stream_claim_writes_total")
+    assert writes is not None and writes >= 1  # the fallback is visible to the operator
 
 
 def test_a_worker_without_the_data_plane_streams_through_claims(

@@ -102,7 +102,13 @@ class Worker:
         )
         #: The data plane: streaming jobs' output straight to their readers (None: claims only).
         self.streams = (
-            StreamServer(opts.stream_bind, opts.stream_advertise, zk.hosts, opts.stream_tls)
+            StreamServer(
+                opts.stream_bind,
+                opts.stream_advertise,
+                zk.hosts,
+                opts.stream_tls,
+                self.metrics.stream_readers,
+            )
             if opts.stream
             else None
         )
@@ -184,9 +190,9 @@ class Worker:
         self.metrics.connection("CONNECTED")
         self.registry.record.memory = self.liveness.cache_figures()
         self._runner_figures(self.registry.record)
-        self.registry.register(wait=self.registry.session_lifetime())
         if self.streams is not None:
-            self.claims.streams = self.streams.start()
+            self.claims.streams = self.registry.record.streams = self.streams.start()
+        self.registry.register(wait=self.registry.session_lifetime())
         self.bridge.start()
         self.state = State.RUNNING
         self.registry.record.state = self.state
@@ -233,6 +239,8 @@ class Worker:
             self.on_heartbeat(self)
         live.maybe_renew(self._stats.claimed, len(self.completer))
         changed = self.bridge.publish()
+        if changed:
+            self.metrics.stream_partials.inc(len(changed))
         if changed and not live.suspended:
             live.renew(changed)
 

@@ -118,6 +118,16 @@ class WorkerMetrics:
             ["queue", "priority"],
             registry=reg,
         )
+        self.stream_readers = Gauge(
+            "zkq_stream_readers",
+            "Readers connected to the streams of this worker's jobs (the data plane).",
+            registry=reg,
+        )
+        self.stream_partials = Counter(
+            "zkq_stream_claim_writes",
+            "Streaming output written into claims, for jobs no direct reader takes.",
+            registry=reg,
+        )
         self._queues: set[str] = set()
         self.connection("LOST")
 

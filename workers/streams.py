@@ -128,8 +128,11 @@ class StreamServer:
         advertise: str | None = None,
         zk_hosts: list[tuple[str, int]] | None = None,
         tls: tuple[str, str] | None = None,
+        readers: Any = None,
     ) -> None:
         self.bind_host, self.bind_port = split_address(bind, "the stream address")
+        #: A gauge of connected readers (``zkq_stream_readers``), or None.
+        self.readers = readers
         self.advertise = advertise
         self.zk_hosts = zk_hosts or []
         self.tls = tls
@@ -279,6 +282,8 @@ class StreamServer:
         what this reader was sent: a piece is only ever its continuation."""
         wake = asyncio.Event()
         feed.readers.add(wake)
+        if self.readers is not None:
+            self.readers.inc()
         shown: str | None = None
         try:
             while True:
@@ -301,6 +306,8 @@ class StreamServer:
                     yield b": ping\n\n"
         finally:
             feed.readers.discard(wake)
+            if self.readers is not None:
+                self.readers.dec()
 
     def _reachable_host(self) -> str:
         """The address this host reaches ZooKeeper from (no packet is sent), else the bound

@@ -41,6 +41,8 @@ class WorkerRecord:
     preempted: int = 0
     #: Jobs it finished a second over about the last minute (a producer's start estimate).
     rate: float = 0.0
+    #: Where it serves its jobs' streams (the base of the claims' ``stream`` URLs), or None.
+    streams: str | None = None
     running: list[str] = field(default_factory=list)
     #: Runner figures: model, device, dtype, weight_bytes...
     runner_info: dict[str, Any] = field(default_factory=dict)
