@@ -21,7 +21,7 @@ from kazoo.protocol.states import WatchedEvent
 from zkqueue.errors import CorruptRecord, JobWithdrawn, ZkqConnectionError
 from zkqueue.plumbing.connection import TRANSIENT, mapped_errors
 from zkqueue.plumbing.watches import remove_data_watch
-from zkqueue.producer.direct import AsyncTap, TapState, Transcript, tappable
+from zkqueue.producer.direct import AsyncTap, StreamReading
 from zkqueue.protocol import claims
 from zkqueue.protocol.jobpaths import JobPaths
 from zkqueue.protocol.records import ClaimBody
@@ -102,14 +102,13 @@ class AsyncJob(JobPaths):
         on). On timeout raise JobTimeout, withdrawing the submitter's attached request, as
         cancelling the iterating task does."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        transcript, tap = Transcript(self.id), None
+        reading = StreamReading(self.id, self.client, AsyncTap, self._wake.set)
         full, fired = True, set[str]()
-        broken: str | None = None  # why the attempt that streamed text stopped
         with self._withdrawn_if_abandoned():
             try:
                 while self.record is None:
                     self._wake.clear()
-                    body: ClaimBody | bool | None = False  # False: the claim was not read
+                    body: ClaimBody | None = None
                     found, recheck = None, _RECHECK_SECONDS
                     if full or fired:
                         try:
@@ -117,38 +116,25 @@ class AsyncJob(JobPaths):
                         except _AWAY:
                             recheck = _RECONNECT_POLL
                     if found is not None:
-                        piece = transcript.final(self._accept(found))
-                        if piece:
-                            yield piece
+                        rest = reading.ended(self._accept(found))
+                        if rest:
+                            yield rest
                         return
-                    if broken is not None:  # and no result: the rest of that text is lost
-                        transcript.interrupted(broken)
-                    if isinstance(body, ClaimBody) and transcript.claim(body.token):
-                        if tap is not None:
-                            tap.close()
-                        http = self.client.stream_http() if tappable(body) else None
-                        tap = None if http is None else AsyncTap(http, body, self._wake.set)
-                    if tap is not None and tap.state == TapState.BROKEN:
-                        if transcript.sent:  # one more look: a cancel or a failure has a result
-                            broken, tap, full = tap.why, None, True
-                            continue
-                        tap = None
-                    text = tap.text if tap is not None and tap.serving else None
-                    if text is None and isinstance(body, ClaimBody):
-                        text = body.partial
-                    piece = transcript.take(text or "")
+                    piece = reading.advance(body)
+                    if piece is None:  # read ZooKeeper once more before going on
+                        full = True
+                        continue
                     if piece:
                         yield piece
                     woke = await self._pause(deadline, recheck, timeout)
                     fired, self._fired = self._fired, set()
                     full = not woke  # a quiet interval: read everything (watches are hints)
             finally:
-                if tap is not None:
-                    tap.close()
+                reading.close()
 
     async def _read_stream(
         self, full: bool, fired: set[str]
-    ) -> tuple[Result | None, ClaimBody | bool | None]:
+    ) -> tuple[Result | None, ClaimBody | None]:
         """(the record if the job ended, the claim or None if there is none). When only the
         claim's watch fired, the claim alone is read (one request), unless it is gone."""
         if not full and not fired - {self.claim_path}:

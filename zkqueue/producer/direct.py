@@ -2,10 +2,11 @@
 is ``zkqueue.protocol.streaming``), for ``AsyncJob.stream`` and ``Job.stream``.
 
 A streaming job's claim names its stream and a secret. The job handle, which already watches
-the claim, starts a ``Tap`` for each attempt it sees: the tap connects, takes the pieces as the
-worker sends them, and wakes the handle, which hands the new text to its caller. ZooKeeper still
-decides the end: the result record, read as before, is the authoritative text, and the handle's
-``Transcript`` checks that everything handed out is a prefix of it.
+the claim, hands each claim it reads to its ``StreamReading``, which starts a ``Tap`` for each
+attempt: the tap connects, takes the pieces as the worker sends them, and wakes the handle, which
+hands the new text to its caller. ZooKeeper still decides the end: the result record, read as
+before, is the authoritative text, and the reading's ``Transcript`` checks that everything
+handed out is a prefix of it.
 
 Where the worker cannot be reached (a firewall, a worker without a stream server, a client
 without ``httpx``), the handle falls back to the output the worker writes into the claim a few
@@ -303,3 +304,52 @@ def http_options(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) 
 def tappable(claim: ClaimBody | None) -> bool:
     """Whether a claim names a stream this process can read."""
     return claim is not None and bool(claim.stream and claim.secret)
+
+
+class StreamReading:
+    """One job handle's reading of a job's stream, across its attempts: which source carries
+    the text (a tap on the worker's stream, else the claim's ``partial``), and what was handed
+    out. ``Job.stream`` and ``AsyncJob.stream`` drive it; they differ only in how they wait.
+
+    ``client`` gives the HTTP client (``stream_http()``); ``tap`` is the tap class that reads
+    with it (``AsyncTap`` or ``ThreadTap``), and ``wake`` what a tap calls after each change."""
+
+    def __init__(
+        self, job_id: str, client: Any, tap: type[AsyncTap | ThreadTap], wake: Callable[[], None]
+    ) -> None:
+        self.transcript = Transcript(job_id)
+        self._client, self._tap_class, self._wake = client, tap, wake
+        self._tap: AsyncTap | ThreadTap | None = None
+        #: Why the attempt that streamed text stopped, once its end is being checked.
+        self._broken: str | None = None
+
+    def ended(self, record: Result) -> str:
+        """The rest of the text, now the job ended with ``record`` (see ``Transcript.final``)."""
+        return self.transcript.final(record)
+
+    def advance(self, claim: ClaimBody | None) -> str | None:
+        """The text not handed out yet, given the claim read just now (None: not read, or
+        none there). None instead when ZooKeeper must be read once more first: the attempt
+        that streamed text stopped, and a cancel or a failure has its result already. A
+        second call without a result raises StreamInterrupted."""
+        if self._broken is not None:  # and no result: the rest of that text is lost
+            self.transcript.interrupted(self._broken)
+        if claim is not None and self.transcript.claim(claim.token):
+            self.close()
+            http = self._client.stream_http() if tappable(claim) else None
+            self._tap = None if http is None else self._tap_class(http, claim, self._wake)
+        tap = self._tap
+        if tap is not None and tap.state == TapState.BROKEN:
+            self._tap = None
+            if self.transcript.sent:
+                self._broken = tap.why
+                return None
+        text = self._tap.text if self._tap is not None and self._tap.serving else None
+        if text is None and claim is not None:
+            text = claim.partial
+        return self.transcript.take(text or "")
+
+    def close(self) -> None:
+        if self._tap is not None:
+            self._tap.close()
+            self._tap = None

@@ -15,7 +15,7 @@ from kazoo.protocol.states import EventType, WatchedEvent
 from zkqueue import defaults
 from zkqueue.errors import CorruptRecord, JobNotFound, JobTimeout, JobWithdrawn
 from zkqueue.plumbing.watches import forget_data_watch, remove_data_watch
-from zkqueue.producer.direct import TapState, ThreadTap, Transcript, tappable
+from zkqueue.producer.direct import StreamReading, ThreadTap
 from zkqueue.protocol import claims, counts
 from zkqueue.protocol.jobpaths import PENDING, RUNNING, WITHDRAWN, JobPaths
 from zkqueue.protocol.records import ClaimBody
@@ -122,9 +122,9 @@ class Job(JobPaths):
         StreamInterrupted if the attempt that produced them stops part-way (the job goes on).
         On timeout raise JobTimeout, withdrawing the submitter's attached request."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        transcript, tap = Transcript(self.id), None
+        reading = StreamReading(self.id, self.client, ThreadTap, self._tap_wake)
         self._armed = None  # each look below sets the watch it needs
-        look, broken = True, None  # broken: why the attempt that streamed text stopped
+        look = True
         try:
             while self._result is None:
                 self._fired.clear()
@@ -133,24 +133,14 @@ class Job(JobPaths):
                     with self.client.mapped():
                         body, record = self._look_stream(self._on_watch, _bound(deadline))
                 if record is not None:
-                    piece = transcript.final(self._accept(record))
-                    if piece:
-                        yield piece
+                    rest = reading.ended(self._accept(record))
+                    if rest:
+                        yield rest
                     return
-                if broken is not None:  # and no result: the rest of that text is lost
-                    transcript.interrupted(broken)
-                if body is not None and transcript.claim(body.token):
-                    if tap is not None:
-                        tap.close()
-                    http = self.client.stream_http() if tappable(body) else None
-                    tap = None if http is None else ThreadTap(http, body, self._tap_wake)
-                if tap is not None and tap.state == TapState.BROKEN:
-                    if transcript.sent:  # one more look: a cancel or a failure has a result
-                        broken, tap, look = tap.why, None, True
-                        continue
-                    tap = None
-                text = tap.text if tap is not None and tap.serving else None
-                piece = transcript.take(text if text is not None else (body and body.partial) or "")
+                piece = reading.advance(body)
+                if piece is None:  # read ZooKeeper once more before going on
+                    look = True
+                    continue
                 if piece:
                     yield piece
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -164,8 +154,7 @@ class Job(JobPaths):
                 tapped, self._tapped = self._tapped, False
                 look = watched or not tapped
         finally:
-            if tap is not None:
-                tap.close()
+            reading.close()
 
     def _tap_wake(self) -> None:
         self._tapped = True
