@@ -102,7 +102,7 @@ class Gateway:
         endpoint = "chat" if kind == fmt.CHAT else "completions"
         started = time.monotonic()
         key = self._authorize(request)
-        request.state.ratelimit = self.limits.headers(key)  # on every answer, errors too
+        request.state.key = key  # its rate limits go on every answer, errors too (_answer)
         job_request = fmt.parse(kind, await _json(request), self.config.max_tokens)
         priority = self._priority(request, key, job_request.asked_priority)
         if job_request.names_tier:  # the answer names the tier the job ran at
@@ -115,15 +115,13 @@ class Gateway:
             # Rate limits last: a request refused for any other reason takes nothing.
             cost = ratelimits.estimate(job_request.text, job_request.max_tokens)
             grant = self.limits.admit(key, cost)
-            request.state.ratelimit = self.limits.headers(key)
             job = await self._submit(job_request, queue, priority, key)
         except BaseException:
             release()
             self.limits.refund(grant)
-            request.state.ratelimit = self.limits.headers(key)
             raise
         headers = {"X-Zkq-Job": job.id, "X-Zkq-Queue": queue, "X-Zkq-Priority": priority}
-        headers.update(request.state.ratelimit)
+        headers.update(self.limits.headers(key))
         self.metrics.open.inc()
 
         def done() -> None:
@@ -345,7 +343,9 @@ def _answer(error: ApiError, request: Request) -> Response:
     if gateway is not None and request.url.path.startswith("/v1/"):
         gateway.metrics.requests.labels(endpoint_label(request.url.path), str(error.status)).inc()
     # A key with rate limits hears them on every answer, errors too.
-    headers = {**getattr(request.state, "ratelimit", {}), **error.headers}
+    key = getattr(request.state, "key", None)
+    limits = gateway.limits.headers(key) if gateway is not None else {}
+    headers = {**limits, **error.headers}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

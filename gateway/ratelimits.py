@@ -87,7 +87,8 @@ class RateLimits:
 
     def admit(self, key: ApiKey | None, estimate: int) -> Grant | None:
         """Take one request and ``estimate`` tokens from the key's buckets, or raise a 429
-        that says when to come back (None: the key has no limits)."""
+        that says when to come back (None: the key has no limits). The answer adds the key's
+        ``headers`` (every answer does)."""
         if key is None or (key.requests_per_minute is None and key.tokens_per_minute is None):
             return None
         requests, tokens = self._buckets(key)
@@ -98,7 +99,6 @@ class RateLimits:
                 f"{key.name!r} may use in a minute ({tokens.limit}); ask for fewer max_tokens",
                 RATE_LIMIT,
                 "tokens",
-                headers=self.headers(key),
             )
         waits = {
             "requests": requests.wait(1) if requests is not None else 0.0,
@@ -108,7 +108,7 @@ class RateLimits:
         if wait > 0:
             bucket = requests if kind == "requests" else tokens
             limit = bucket.limit if bucket is not None else 0
-            headers = {**self.headers(key), "Retry-After": str(max(1, math.ceil(wait)))}
+            headers = {"Retry-After": str(max(1, math.ceil(wait)))}
             raise ApiError(
                 429,
                 f"rate limit reached for key {key.name!r}: {limit} {kind} a minute on this "
