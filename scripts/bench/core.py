@@ -3,13 +3,17 @@ small helpers (bounded waits, CPU of the servers, statistics)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
+import os
 import signal
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +29,7 @@ from zkqueue.testing import ZkCluster
 
 if TYPE_CHECKING:
     from scripts.bench.redis_baseline import RedisServer
+    from workers.testing import InferenceServer
 
 QUEUE = "bench"
 #: The prompt of a job whose content does not matter (echo work).
@@ -228,8 +233,6 @@ def pid_cpu(pid: int | None) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    import os
-
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -245,6 +248,70 @@ def stop_processes(procs: Iterable[subprocess.Popen[Any]], timeout: float) -> No
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class CpuMeter:
+    """CPU seconds of named processes (the server, the worker, ZooKeeper...), read from /proc."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def __call__(self) -> dict[str, float]:
+        return {name: pid_cpu(pid) for name, pid in self.pids.items()}
+
+    def since(self, before: dict[str, float], digits: int | None = 2) -> dict[str, float]:
+        """Seconds each spent since ``before`` (a reading), rounded to ``digits`` (None: not)."""
+        now = self()
+        spent = {name: now[name] - before[name] for name in now}
+        return spent if digits is None else {k: round(v, digits) for k, v in spent.items()}
+
+
+#: This checkout (child processes import it), the zkq command, and their environment.
+ROOT = Path(__file__).resolve().parents[2]
+ZKQ_CLI = [sys.executable, "-m", "zkqueue.cli"]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def wait_up(url: str, timeout: float = 60) -> None:
+    """Until ``url``/health answers 200 (a gateway or a server); SystemExit after ``timeout``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not come up in {timeout:g}s")
+
+
+@contextlib.contextmanager
+def tiny_model_served(prefix: str) -> Iterator[tuple[Path, InferenceServer, ZkCluster]]:
+    """A temporary folder holding the tiny model (``zkq tiny-model``, in ``<folder>/tiny``),
+    ``transformers serve --continuous-batching`` on it and a standalone ZooKeeper, for the
+    benchmarks that set zkq beside that server; both stopped and the folder removed after."""
+    from workers.testing import InferenceServer
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        folder = Path(tmp)
+        model = str(folder / "tiny")
+        subprocess.run(
+            [*ZKQ_CLI, "tiny-model", model], env=child_env(), capture_output=True, check=True
+        )
+        server = InferenceServer(model, folder / "serve.log").start()
+        try:
+            cluster = ZkCluster(1).start()
+            try:
+                yield folder, server, cluster
+            finally:
+                cluster.stop()
+        finally:
+            server.stop()
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.01) -> bool:

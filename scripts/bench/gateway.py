@@ -23,7 +23,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,9 +33,9 @@ from typing import Any
 
 import httpx
 
-from scripts.bench.core import stop_processes
+from scripts.bench.core import stop_processes, wait_up
 from zkqueue import Client
-from zkqueue.testing import ZkCluster
+from zkqueue.testing import ZkCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_ROOT = "/bench-gateway"
@@ -152,24 +151,6 @@ def latency(url: str, client: Client, samples: int) -> dict[str, float]:
         "http_p90_ms": round(statistics.quantiles(http_times, n=10)[-1] * 1000, 2),
         "api_p90_ms": round(statistics.quantiles(api_times, n=10)[-1] * 1000, 2),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_up(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("the gateway did not come up")
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ Each rep runs, on each side (which side goes first alternates):
 1. ``--c1`` requests one after another (concurrency 1);
 2. ``--c16-rounds`` rounds of 16 requests sent at once (concurrency 16).
 
-Reported: the p50 (concurrency 1) and p99 (concurrency 16) time to first content of each side,
+Reported: the p50 (concurrency 1) and p99 (concurrency 16, nearest rank:
+``scripts.bench.core.percentile``) time to first content of each side,
 over all reps; the chunks per answer against its completion tokens; the CPU seconds each
 process spent per request. Through zkq, with ``--no-direct`` the worker writes streams into
 the jobs' claims instead (``zkq worker --no-stream``): the figure before the data plane.
@@ -29,21 +30,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.core import pid_cpu, stop_processes
-from workers.testing import InferenceServer
+from scripts.bench.core import (
+    ZKQ_CLI,
+    CpuMeter,
+    child_env,
+    percentile,
+    stop_processes,
+    tiny_model_served,
+    wait_until,
+    wait_up,
+)
 from zkqueue import Client
-from zkqueue.testing import ZkCluster, free_port
+from zkqueue.testing import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 BENCH_ROOT = "/bench-streaming"
 QUEUE = "tiny"
 PROMPTS = [
@@ -102,11 +108,6 @@ async def side(
     return {"c1": serial, "c16": burst}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarize(out: dict[str, Any]) -> list[str]:
     lines = []
     figures: dict[str, dict[str, float]] = {}
@@ -120,7 +121,7 @@ def summarize(out: dict[str, Any]) -> list[str]:
         figures[name] = {
             "c1_p50_ms": 1000 * statistics.median(c1),
             "c16_p50_ms": 1000 * statistics.median(c16),
-            "c16_p99_ms": 1000 * percentile(c16, 0.99),
+            "c16_p99_ms": 1000 * percentile(c16, 99),
             "chunks_per_token": statistics.median(ratio),
             "chunks": statistics.median(r["chunks"] for r in rows),
             "tokens": statistics.median(r["tokens"] for r in answers),
@@ -165,56 +166,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
-    with tempfile.TemporaryDirectory(prefix="zkq-bench-streaming-") as tmp:
-        model = str(Path(tmp) / "tiny")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        cli = [sys.executable, "-m", "zkqueue.cli"]
-        subprocess.run([*cli, "tiny-model", model], check=True, env=env, capture_output=True)
-        server = InferenceServer(model, Path(tmp) / "serve.log").start()
-        cluster = ZkCluster(1).start()
-        log = open(Path(tmp) / "zkq.log", "w")  # noqa: SIM115 (closed below)
-        base = [*cli, "--zk", cluster.hosts, "--root", BENCH_ROOT]
+    with tiny_model_served("zkq-bench-streaming-") as (tmp, server, cluster):
+        model = str(tmp / "tiny")
+        log = open(tmp / "zkq.log", "w")  # noqa: SIM115 (closed below)
+        base = [*ZKQ_CLI, "--zk", cluster.hosts, "--root", BENCH_ROOT]
         worker_cmd = [*base, "worker", "--queue", QUEUE, "--model", model, "--no-janitor"]
         worker_cmd += ["--max-concurrency", "16"]
         if args.no_direct:
             worker_cmd.append("--no-stream")
         port = free_port()
-        worker_env = dict(env)
-        if args.worker_threads:
-            worker_env["OMP_NUM_THREADS"] = str(args.worker_threads)
+        threads = {"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {}
         procs = [
-            subprocess.Popen(worker_cmd, env=worker_env, stdout=log, stderr=subprocess.STDOUT),
+            subprocess.Popen(
+                worker_cmd, env=child_env(**threads), stdout=log, stderr=subprocess.STDOUT
+            ),
             subprocess.Popen(
                 [*base, "serve", "--port", str(port)],
-                env=env,
+                env=child_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             ),
         ]
         try:
             with Client(cluster.hosts, root=BENCH_ROOT) as client:
-                _wait_worker(client)
+                running = lambda: any(  # noqa: E731
+                    w.get("queue") == QUEUE and w.get("state") == "running"
+                    for w in client.workers()
+                )
+                if not wait_until(running, 300, 0.2):
+                    raise TimeoutError(f"no worker of {QUEUE} in 300s")
             zkq_url = f"http://127.0.0.1:{port}/v1"
             assert server.proc is not None and cluster.servers[0].process is not None
-            pids = {
-                "server": server.proc.pid,
-                "worker": procs[0].pid,
-                "gateway": procs[1].pid,
-                "zookeeper": cluster.servers[0].process.pid,
-            }
-            _wait_gateway(zkq_url)
+            cpu = CpuMeter(
+                {
+                    "server": server.proc.pid,
+                    "worker": procs[0].pid,
+                    "gateway": procs[1].pid,
+                    "zookeeper": cluster.servers[0].process.pid,
+                }
+            )
+            wait_up(zkq_url.removesuffix("/v1"))
             for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
                 asyncio.run(side(url, name, 4, 1, args.max_tokens))
-            cpu = {k: 0.0 for k in pids}
+            spent = {k: 0.0 for k in cpu.pids}
             for rep in range(args.reps):
                 order = [("direct", server.url, model), ("zkq", zkq_url, QUEUE)]
                 for name, url, model_name in order if rep % 2 == 0 else order[::-1]:
-                    before = {k: pid_cpu(p) for k, p in pids.items()}
+                    before = cpu()
                     result = asyncio.run(
                         side(url, model_name, args.c1, args.c16_rounds, args.max_tokens)
                     )
-                    for k, p in pids.items():
-                        cpu[k] += pid_cpu(p) - before[k]
+                    for k, v in cpu.since(before, digits=None).items():
+                        spent[k] += v
                     out[name].append(result)
                 d, z = out["direct"][-1], out["zkq"][-1]
                 print(
@@ -223,17 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             per_side = args.reps * (args.c1 + 16 * args.c16_rounds)
-            out["cpu_per_request_ms"] = {k: 1000 * v / per_side for k, v in cpu.items()}
+            out["cpu_per_request_ms"] = {k: 1000 * v / per_side for k, v in spent.items()}
         except BaseException:
             log.flush()
-            print((Path(tmp) / "zkq.log").read_text()[-3000:], file=sys.stderr)
+            print((tmp / "zkq.log").read_text()[-3000:], file=sys.stderr)
             print(server.log_tail(), file=sys.stderr)
             raise
         finally:
             stop_processes(procs, 30)
             log.close()
-            server.stop()
-            cluster.stop()
     for line in summarize(out):
         print(line)
     if args.json:
@@ -247,30 +248,7 @@ def _p50(rows: list[dict[str, Any]]) -> float:
 
 
 def _p99(rows: list[dict[str, Any]]) -> float:
-    return 1000 * percentile([r["ttft_s"] for r in rows if r["ttft_s"] is not None], 0.99)
-
-
-def _wait_worker(client: Client, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(w.get("queue") == QUEUE and w.get("state") == "running" for w in client.workers()):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"no worker of {QUEUE} in {timeout:.0f}s")
-
-
-def _wait_gateway(url: str, timeout: float = 60.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url.removesuffix("/v1") + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the gateway at {url} did not answer in {timeout:.0f}s")
+    return 1000 * percentile([r["ttft_s"] for r in rows if r["ttft_s"] is not None], 99)
 
 
 if __name__ == "__main__":

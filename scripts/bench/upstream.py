@@ -24,26 +24,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from scripts.bench.core import pid_cpu, stop_processes
+from scripts.bench.core import (
+    ZKQ_CLI,
+    CpuMeter,
+    child_env,
+    stop_processes,
+    tiny_model_served,
+)
 from workers.runners.upstream import request_for
 from workers.testing import InferenceServer
 from zkqueue import Client
 from zkqueue.protocol.spec import JobSpec
-from zkqueue.testing import ZkCluster, four_letter
+from zkqueue.testing import four_letter
 
-ROOT = Path(__file__).resolve().parents[2]
 BENCH_ROOT = "/bench-upstream"
 _TEXT = (
     "a priority queue hands the most urgent job to the next free worker high comes before "
@@ -145,20 +148,6 @@ def ttft_zkq(client: Client, queue: str, count: int) -> dict[str, list[float]]:
     return {"from_claim": from_claim, "from_submit": from_submit}
 
 
-class CpuMeter:
-    """CPU seconds of the server, the worker and ZooKeeper, read from /proc."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-
-    def __call__(self) -> dict[str, float]:
-        return {name: pid_cpu(pid) for name, pid in self.pids.items()}
-
-    def since(self, before: dict[str, float]) -> dict[str, float]:
-        now = self()
-        return {name: round(now[name] - before[name], 2) for name in now}
-
-
 def _zk_requests(hosts: str) -> int:
     port = int(hosts.split(",")[0].rsplit(":", 1)[1])
     for line in four_letter(port, "mntr").splitlines():
@@ -177,20 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     jobs = mixed_jobs(args.jobs)
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
-    with tempfile.TemporaryDirectory(prefix="zkq-bench-upstream-") as tmp:
-        model = str(Path(tmp) / "tiny")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        cli = [sys.executable, "-m", "zkqueue.cli"]
-        subprocess.run([*cli, "tiny-model", model], check=True, env=env, capture_output=True)
-        server = InferenceServer(model, Path(tmp) / "serve.log").start()
-        cluster = ZkCluster(1).start()
+    with tiny_model_served("zkq-bench-upstream-") as (tmp, server, cluster):
         queue = "upstream"
-        log = open(Path(tmp) / "worker.log", "w")  # noqa: SIM115 (closed below)
-        command = [*cli, "--zk", cluster.hosts, "--root", BENCH_ROOT, "worker", "--queue", queue]
+        log = open(tmp / "worker.log", "w")  # noqa: SIM115 (closed below)
+        command = [*ZKQ_CLI, "--zk", cluster.hosts, "--root", BENCH_ROOT, "worker"]
+        command += ["--queue", queue]
         command += ["--upstream", server.url, "--max-concurrency", str(args.concurrency)]
         worker = subprocess.Popen(
             [*command, "--no-janitor"],
-            env=env,
+            env=child_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -227,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_processes([worker], 30)
             log.close()
-            server.stop()
-            cluster.stop()
     for line in summarize(out):
         print(line)
     if args.json:
