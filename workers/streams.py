@@ -338,16 +338,11 @@ def split_address(address: str, what: str) -> tuple[str, int]:
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # as the gateway binds (gateway.commands): SO_REUSEADDR, the error a config error
+        sock = socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot serve job streams on {host}:{port}: {exc}") from None
     # Accepted connections inherit it: a piece is sent at once, never held for the reader's
     # delayed acknowledgement of the one before (a 40 ms wait on a kept-alive connection).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigurationError(f"cannot serve job streams on {host}:{port}: {exc}") from None
-    sock.listen(1024)
-    sock.set_inheritable(True)
     return sock
