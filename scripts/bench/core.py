@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import multiprocessing
 import os
 import signal
@@ -288,6 +289,15 @@ def wait_up(url: str, timeout: float = 60) -> None:
             pass
         time.sleep(0.1)
     raise SystemExit(f"{url} did not come up in {timeout:g}s")
+
+
+def report(out: dict[str, Any], summary: list[str], path: str | None) -> None:
+    """Print a run's summary lines; with ``path``, write the run (summary included) as JSON."""
+    for line in summary:
+        print(line)
+    if path:
+        out["summary"] = summary
+        Path(path).write_text(json.dumps(out, indent=2))
 
 
 @contextlib.contextmanager

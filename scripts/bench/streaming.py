@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from scripts.bench.core import (
@@ -42,6 +40,7 @@ from scripts.bench.core import (
     CpuMeter,
     child_env,
     percentile,
+    report,
     stop_processes,
     tiny_model_served,
     wait_until,
@@ -235,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_processes(procs, 30)
             log.close()
-    for line in summarize(out):
-        print(line)
-    if args.json:
-        out["summary"] = summarize(out)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    report(out, summarize(out), args.json)
     return 0
 
 

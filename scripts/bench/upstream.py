@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +37,7 @@ from scripts.bench.core import (
     ZKQ_CLI,
     CpuMeter,
     child_env,
+    report,
     stop_processes,
     tiny_model_served,
 )
@@ -211,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_processes([worker], 30)
             log.close()
-    for line in summarize(out):
-        print(line)
-    if args.json:
-        out["summary"] = summarize(out)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    report(out, summarize(out), args.json)
     return 0
 
 
