@@ -223,6 +223,16 @@ CASES: dict[str, Case] = {
     "worker metrics port in use": Case(
         ("worker", "--metrics-port", "{port}"), CFG, "cannot serve metrics", None, _busy_port
     ),
+    "worker stream address bad": Case(
+        ("worker", "--stream-bind", "nonsense"), CFG, "--stream-bind must be HOST:PORT"
+    ),
+    "worker stream port in use": Case(
+        ("worker", "--stream-bind", "127.0.0.1:{port}"),
+        CFG,
+        "cannot serve job streams",
+        None,
+        _busy_port,
+    ),
     "auth without password": Case(("--auth", "alice", "stats"), CFG, "USER:PASSWORD"),
     "tls file missing": Case(("--tls-ca", "/nonexistent.pem", "stats"), CFG, "no such file"),
     "tls cert without key": Case(("--tls-cert", "/etc/hostname", "stats"), CFG, "go together"),
@@ -241,7 +251,9 @@ CASES: dict[str, Case] = {
 def test_user_error(name: str, zkq, client: Client, tmp_path: Path, root: str) -> None:
     case = CASES[name]
     subs = case.setup(client, tmp_path, root) if case.setup else {}
-    args = [subs.get(a, a) for a in case.args]
+    args = list(case.args)
+    for placeholder, value in subs.items():  # anywhere in an argument ("127.0.0.1:{port}")
+        args = [a.replace(placeholder, value) for a in args]
     if "--zk" in args:  # the case names its own ensemble: put it before the fixture's
         out = zkq(*args[2:], zk=args[1], input=case.stdin or b"")
     else:
