@@ -20,10 +20,11 @@ from kazoo.exceptions import NoNodeError
 from workers.admission import Admission, Verdict
 from workers.metrics import WorkerMetrics
 from zkqueue.dispatch.line import Line
+from zkqueue.dispatch.share import FairShare, estimate
 from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import InvalidJob
 from zkqueue.protocol.claims import Candidate, Claim, Claims
-from zkqueue.protocol.layout import EntryName, Layout, is_generated_id
+from zkqueue.protocol.layout import EntryName, Layout, is_generated_id, lane_parts
 from zkqueue.protocol.limits import RunningCap
 from zkqueue.protocol.records import DeadLetter
 from zkqueue.protocol.registry import read_records
@@ -98,6 +99,10 @@ class HeadTurn:
 
     def __post_init__(self) -> None:
         self.cap = RunningCap(self.zk, self.layout, self.queue)
+        self.share = FairShare(
+            self.zk, self.layout, self.queue, weight=lambda t: self.cap.settings.weight(t)
+        )
+        self.view.share = self.share
 
     def turn(
         self,
@@ -137,6 +142,7 @@ class HeadTurn:
             return []  # not the head after all (a predecessor that was not head left)
         self._unwatch_due = False  # head again: the watches still serve
         self.view.await_arrivals(free, frozenset(exclude))
+        self._order(exclude)
         ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         arrived = self._arrived(ordered[:free], reads)
         reads.update(arrived)
@@ -163,10 +169,20 @@ class HeadTurn:
                 return None
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
-        claimed = self.claims.claim(picked, self.line, rejoin=rejoin, give_back=give_back)
+        before = dict(self.share.service)
+        for c in picked:
+            self.share.charge(c.entry.tenant_name, estimate(c.spec))
+        writes = self.share.writes(
+            c.entry.tenant_name for c in picked if self.share.contended(c.priority)
+        )
+        claimed = self.claims.claim(
+            picked, self.line, rejoin=rejoin, give_back=give_back, extra=writes
+        )
         if claimed is None:
+            self.share.service = before  # nothing was claimed: nobody was served
             self.view.invalidate()
             return None
+        self.share.saved(path.rsplit("/", 1)[1] for path, _ in writes)
         self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
         self.stats.unread += sum((c.priority, c.entry) in arrived for c in picked)
         # Out of the line (or at its back): the next head watches, not us. Dropping the
@@ -178,6 +194,31 @@ class HeadTurn:
         # a release or crash makes them claimable again (the next turn's claims listing says so).
         self.view.claimed.update(c.entry.job_id for c in picked)
         return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
+
+    def _order(self, exclude: set[str]) -> None:
+        """Bring what orders the candidates up to date: the queue's aging setting and the
+        ctimes it needs (one pipelined read of the lanes' new first entries), and the
+        tenants backlogged in each band (fair share lifts those that were idle)."""
+        settings = self.cap.settings
+        self.view.promote_after = settings.promote_after
+        self.view.now = time.time()
+        unaged = self.view.unaged(exclude)
+        calls = [
+            (
+                path,
+                e,
+                self.zk.exists_async(self.layout.entry(self.queue, lane_parts(path)[0], e.name)),
+            )
+            for path, e in unaged
+        ]
+        for path, e, call in calls:
+            stat = call.get()
+            if stat is not None:
+                self.view.ctimes[(path, e.name)] = stat.ctime / 1000
+        if len(self.view.ctimes) > 4096:
+            self.view.ctimes.clear()
+        for priority in self.view.priorities:
+            self.share.observe(priority, self.view.backlogged(priority, exclude))
 
     def drop_watches_soon(self) -> None:
         """This worker left the line: drop its watches on the loop's next pass."""
@@ -336,13 +377,15 @@ class HeadTurn:
             self.metrics.job_finished(self.queue, priority, Status.DEAD, None, None, None)
 
     def _letter_malformed(self) -> None:
-        for priority, names in self.view.malformed.items():
-            for name in names:
+        for path, names in self.view.malformed.items():
+            priority, mark = path.partition("/")[0], path.partition("/")[2]
+            for below in names:
+                name = f"{mark}/{below}" if mark else below
                 try:
                     data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
                 except NoNodeError:
                     continue
-                reason = f"entry name {name!r} is not <bucket>/<id>-<sequence>"
+                reason = f"entry name {below!r} is not <bucket>/<id>-<sequence>"
                 self._letter(priority, name, data, stat, reason, None)
             names.clear()
 

@@ -24,7 +24,7 @@ from zkqueue.cli.common import (
 )
 from zkqueue.errors import ExitCode, Interrupted, JobTimeout
 from zkqueue.producer.job import Job
-from zkqueue.protocol.layout import check_job_id, check_new_job_id, check_queue
+from zkqueue.protocol.layout import check_job_id, check_new_job_id, check_queue, check_tenant
 from zkqueue.protocol.result import Result
 
 
@@ -37,6 +37,12 @@ from zkqueue.protocol.result import Result
     show_default=True,
 )
 @click.option("--queue", default=defaults.QUEUE, show_default=True, callback=checked(check_queue))
+@click.option(
+    "--tenant",
+    default=None,
+    callback=checked(check_tenant),
+    help="Who the job is for: fair share inside its priority (default: the default tenant).",
+)
 @click.option(
     "--max-new-tokens",
     type=int,
@@ -96,6 +102,7 @@ def submit(
     prompt: str | None,
     priority: str,
     queue: str,
+    tenant: str | None,
     max_new_tokens: int | None,
     detach: bool,
     timeout: float | None,
@@ -111,6 +118,7 @@ def submit(
     \b
     Examples:
       zkq submit --priority high "Translate: bonjour"
+      zkq submit --tenant team-a --detach "nightly backfill item"
       echo "long prompt" | zkq submit --max-new-tokens 128 --json
       zkq submit --detach "batch job"        # prints the job id
       zkq submit --detach --job-id nightly.2026-12-03 "report"   # once, however often run
@@ -120,7 +128,12 @@ def submit(
     extra = {k: v for k, v in params.items() if v is not None and v != () and v is not False}
     _check_flags(prompt, file_, out, detach, timeout, stream, as_json, extra)
     if file_ is not None:
-        options = {"priority": priority, "queue": queue, "max_new_tokens": max_new_tokens}
+        options = {
+            "priority": priority,
+            "queue": queue,
+            "max_new_tokens": max_new_tokens,
+            "tenant": tenant,
+        }
         code = batch.submit_file(
             ctx,
             file_,
@@ -146,6 +159,7 @@ def submit(
                 queue=queue,
                 max_new_tokens=max_new_tokens,
                 detach=detach,
+                tenant=tenant,
                 **({"stream": True} if stream else {}),
                 **extra,
             )

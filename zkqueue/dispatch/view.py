@@ -15,7 +15,12 @@ wake the head for nothing. Entries created without the signal are found by a re-
 heartbeat. A busy head sets none, so completions notify nobody; each turn it re-lists (unwatched)
 the bucket its first candidates come from (other workers' completions would otherwise be read as
 candidates and found gone) and the tail buckets of priorities above its best candidate, so a more
-urgent arrival is never passed over."""
+urgent arrival is never passed over.
+
+Each priority holds lanes: its own buckets (the default tenant's) and one directory per tenant,
+``@<tenant>``, found in the same listing as the bucket names. The view lists each lane as it
+lists a priority; a priority's candidates are its lanes' merged by fair share and aging
+(``zkqueue.dispatch.share``)."""
 
 from __future__ import annotations
 
@@ -31,17 +36,26 @@ from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent, ZnodeStat
 
 from zkqueue import defaults
+from zkqueue.dispatch.share import FairShare
 from zkqueue.errors import InvalidJob
 from zkqueue.plumbing.watches import remove_child_watch, remove_data_watch
 from zkqueue.protocol import arrival
-from zkqueue.protocol.layout import EntryName, Layout, bucket_name, parse_bucket
+from zkqueue.protocol.layout import (
+    EntryName,
+    Layout,
+    bucket_name,
+    lane,
+    lane_parts,
+    parse_bucket,
+    tenant_of_child,
+)
 
 log = logging.getLogger("zkq.view")
 CLAIMS = "claims"
 #: Unclaimed candidates per priority the view keeps listed (when the buckets hold that many).
 WANT = 64
-#: A part of the view, re-read when its watch fires: CLAIMS, a priority (its bucket names), or
-#: (priority, bucket) (the bucket's entries).
+#: A part of the view, re-read when its watch fires: CLAIMS, a lane (its bucket names: a
+#: priority's also name its tenants' lanes), or (lane, bucket) (the bucket's entries).
 Part = Any
 
 
@@ -66,12 +80,21 @@ class PendingView:
     layout: Layout
     queue: str
     on_change: Callable[[Part], None]
-    #: Bucket numbers per priority, in order.
+    #: Bucket numbers per lane, in order.
     buckets: dict[str, list[int]] = field(default_factory=dict)
-    #: Entries of the listed buckets, in order, by (priority, bucket).
+    #: Entries of the listed buckets, in order, by (lane, bucket).
     listed: dict[tuple[str, int], list[EntryName]] = field(default_factory=dict)
-    #: Names (below the priority) that are not entries, by priority: the head dead-letters them.
+    #: Names (below the lane) that are not entries, by lane: the head dead-letters them.
     malformed: dict[str, list[str]] = field(default_factory=dict)
+    #: The tenants with a lane in each priority, by name (the default tenant's is the
+    #: priority's own buckets, not listed here).
+    tenants: dict[str, list[str]] = field(default_factory=dict)
+    #: Orders the lanes of a band (None: one after the other).
+    share: FairShare | None = None
+    #: Aging: seconds of waiting that take a lane's first entry one priority up (None: off).
+    promote_after: float | None = None
+    #: ZooKeeper ctime (seconds) of entries the head read, by (lane, name): aging's clock.
+    ctimes: dict[tuple[str, str], float] = field(default_factory=dict)
     #: Ids of the running jobs (claims/ is one node per id).
     claimed: set[str] = field(default_factory=set)
     events: int = 0
@@ -89,6 +112,8 @@ class PendingView:
 
     def __post_init__(self) -> None:
         self._dirty: set[Part] = {*self.priorities, CLAIMS}
+        #: The wall clock aging compares ctimes with (the head sets it each turn).
+        self.now = 0.0
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -106,7 +131,7 @@ class PendingView:
             # Re-list everything; the watches stay set on the server (and in these books, so a
             # bucket is never watched both ways, and unwatch() removes what is set). A fired
             # watch comes back through invalidate(part); a lost session through forget_watches().
-            self._dirty = {*self.priorities, CLAIMS, *self.listed}
+            self._dirty = {*self.lanes(), CLAIMS, *self.listed}
         else:
             self._dirty.add(part)
             self.armed.discard(part)
@@ -115,6 +140,8 @@ class PendingView:
     def forget_watches(self) -> None:
         """The session is gone, and every watch with it: re-list and re-arm everything."""
         self.invalidate()
+        if self.share is not None:
+            self.share.forget()
         self._headed.clear()
         self.armed.clear()
         self.signalled.clear()
@@ -130,7 +157,7 @@ class PendingView:
         self.arrived = {}
         # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
-        names = {p for p in self.priorities if p not in self.armed}
+        names = {p for p in self.lanes() if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
         parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
         parts |= self._uncertain(exclude)
@@ -151,7 +178,7 @@ class PendingView:
         self._waiting = len(have) < want
         if self._waiting:
             # A waiting head watches each priority's bucket names and its tail bucket.
-            waiting = {*self.priorities, *self._tails()} - self.armed
+            waiting = {*self.lanes(), *self._tails()} - self.armed
             # While jobs run (or are about to: the head claims ``have`` now), tails are watched
             # through their data, which producers touch in every enqueue: a child watch would
             # also fire when those jobs complete (a running job's entry stays in its bucket,
@@ -200,28 +227,105 @@ class PendingView:
         """The listed tail buckets of the priorities ranked above the best candidate's."""
         best = next(self.candidates(set(exclude)), None)
         above = self.priorities[: self.priorities.index(best[0])] if best else ()
-        return {t for t in self._tails() if t[0] in above} - self._trusted()
+        return {t for t in self._tails() if lane_parts(t[0])[0] in above} - self._trusted()
 
     def _tails(self) -> set[Part]:
         """Each priority's tail bucket, as listed."""
         return {(p, ns[-1]) for p, ns in self.buckets.items() if ns}
 
+    def lanes(self, priority: str | None = None) -> list[str]:
+        """The lanes of ``priority`` (of every priority of the view when None), in order: its
+        own, then its tenants'."""
+        found = []
+        for p in self.priorities if priority is None else (priority,):
+            found += [p, *(lane(p, t) for t in self.tenants.get(p, ()))]
+        return found
+
+    def _lane_entries(self, path: str, exclude: set[str]) -> Iterator[EntryName]:
+        """One lane's unclaimed entries in order, as far as its buckets are listed."""
+        for bucket in self.buckets.get(path, []):
+            entries = self.listed.get((path, bucket))
+            if entries is None:
+                break  # not listed: the lane has enough candidates before it
+            for e in entries:
+                if e.job_id not in self.claimed and not (exclude and e.name in exclude):
+                    yield e
+
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
-        """Unclaimed entries in dispatch order: priority rank, then bucket and sequence."""
-        for priority in self.priorities:
-            for bucket in self.buckets.get(priority, []):
-                entries = self.listed.get((priority, bucket))
-                if entries is None:
-                    break  # not listed: the priority has enough candidates before it
-                for e in entries:
-                    if e.job_id not in self.claimed and not (exclude and e.name in exclude):
+        """Unclaimed entries in dispatch order: priority rank (entries promoted by aging first
+        in the band they reached, oldest first), then inside a priority its lanes by fair share
+        (one lane: bucket and sequence)."""
+        promoted = self._promoted(exclude)
+        skip = {e.name for _, _, _, e in promoted}
+        for rank, priority in enumerate(self.priorities):
+            for _, _, p, e in sorted(x for x in promoted if x[0] == rank):
+                yield p, e
+            paths = self.lanes(priority)
+            if len(paths) == 1 and not skip:
+                for e in self._lane_entries(priority, exclude):
+                    yield priority, e
+                continue
+            streams = [
+                (lane_parts(path)[1], self._lane_entries(path, exclude | skip)) for path in paths
+            ]
+            if self.share is None:
+                for _, stream in streams:
+                    for e in stream:
                         yield priority, e
+                continue
+            for e in self.share.merge(streams):
+                yield priority, e
+
+    def backlogged(self, priority: str, exclude: set[str]) -> frozenset[str]:
+        """The tenants of ``priority`` with an unclaimed entry listed."""
+        return frozenset(
+            lane_parts(path)[1]
+            for path in self.lanes(priority)
+            if next(self._lane_entries(path, exclude), None) is not None
+        )
+
+    def unaged(self, exclude: set[str]) -> list[tuple[str, EntryName]]:
+        """(lane, entry) of each lane's first unclaimed entry below the first priority whose
+        ctime the view does not know (aging needs it; the head reads them)."""
+        if self.promote_after is None:
+            return []
+        found = []
+        for path in self.lanes()[1:]:
+            if lane_parts(path)[0] == self.priorities[0]:
+                continue
+            first = next(self._lane_entries(path, exclude), None)
+            if first is not None and (path, first.name) not in self.ctimes:
+                found.append((path, first))
+        return found
+
+    def _promoted(self, exclude: set[str]) -> list[tuple[int, float, str, EntryName]]:
+        """(band reached, ctime, priority, entry) of each lane's first entry that aging takes
+        up at least one priority."""
+        if self.promote_after is None:
+            return []
+        found = []
+        for path in self.lanes():
+            priority = lane_parts(path)[0]
+            rank = self.priorities.index(priority)
+            if rank == 0:
+                continue
+            first = next(self._lane_entries(path, exclude), None)
+            ctime = self.ctimes.get((path, first.name)) if first is not None else None
+            if first is None or ctime is None:
+                continue
+            steps = int(max(0.0, self.now - ctime) // self.promote_after)
+            if steps > 0:
+                found.append((max(0, rank - steps), ctime, priority, first))
+        return found
 
     def unwatch(self) -> None:
         """Stop watching (this worker leaves the head of the line): remove the bucket watches
         it set, so later arrivals and completions notify the new head only (the bucket names'
         watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
-        time."""
+        time. The service counters are read again next time too: another head charges them
+        meanwhile."""
+        if self.share is not None:
+            self.share.forget()
         self.watch_claims = False
         self._headed.clear()
         self._waiting = False  # a later refresh is no wake-up from this head's wait
@@ -236,7 +340,7 @@ class PendingView:
 
     def drop(self, priority: str, entry: EntryName) -> None:
         """Forget an entry that is gone (its bucket's watch will confirm it)."""
-        entries = self.listed.get((priority, entry.bucket), [])
+        entries = self.listed.get((lane(priority, entry.tenant), entry.bucket), [])
         if entry in entries:
             entries.remove(entry)
 
@@ -310,13 +414,13 @@ class PendingView:
         if entries and stat is not None:
             found = arrival.carried(entries[-1], seen, stat.pzxid, data, data_stat)
             if found is not None:
-                self.arrived[(key[0], entries[-1].name)] = found
+                self.arrived[(lane_parts(key[0])[0], entries[-1].name)] = found
 
     def _short(self) -> set[Part]:
         """Buckets to list next: per priority, the first unlisted ones while the listed ones
         hold fewer than WANT unclaimed entries. Empty buckets before the tail are deleted."""
         more: set[Part] = set()
-        for priority in self.priorities:
+        for priority in self.lanes():
             numbers = self.buckets.get(priority, [])
             have = 0
             for bucket in numbers:
@@ -349,13 +453,19 @@ class PendingView:
         self.signalled.discard(key)
 
     def _store_buckets(self, priority: str, names: list[str]) -> None:
-        numbers, bad = [], []
+        """Store a lane's listing: its bucket numbers (and a priority's tenants)."""
+        numbers, bad, tenants = [], [], []
         for name in names:
             number = parse_bucket(name)
-            if number is None:
+            tenant = tenant_of_child(name) if "/" not in priority else None
+            if tenant is not None:
+                tenants.append(tenant)
+            elif number is None:
                 bad.append(name)  # an entry created outside any bucket
             else:
                 numbers.append(number)
+        if "/" not in priority:
+            self.tenants[priority] = sorted(tenants)
         numbers.sort()
         old = self.buckets.get(priority)
         if old and numbers and numbers[-1] > old[-1] and (priority, old[-1]) in self.listed:
@@ -371,11 +481,12 @@ class PendingView:
         priority, bucket = key
         old = self._parsed.get(key, {})
         parsed: dict[str, EntryName] = {}
+        mark = lane_parts(priority)[1] if "/" in priority else ""
         for leaf in names:
             entry = old.get(leaf)
             if entry is None:
                 try:
-                    entry = EntryName.parse_leaf(leaf, bucket)
+                    entry = EntryName.parse_leaf(leaf, bucket, mark)
                 except InvalidJob:
                     self.malformed.setdefault(priority, []).append(f"{bucket_name(bucket)}/{leaf}")
                     continue

@@ -40,7 +40,7 @@ from zkqueue.operations.serving import serve_registry
 from zkqueue.plumbing.deadline import READ_ERRORS, Deadline
 from zkqueue.producer.client import Client
 from zkqueue.protocol import counts
-from zkqueue.protocol.layout import RESULT_BUCKETS, EntryName, bucket_name
+from zkqueue.protocol.layout import RESULT_BUCKETS, EntryName, bucket_name, lane_parts
 from zkqueue.protocol.limits import QueueSettings
 
 log = logging.getLogger("zkq.exporter")
@@ -72,6 +72,8 @@ class QueueState:
     #: ZooKeeper ctime (unix seconds) of the first unclaimed entry per priority; a priority with
     #: nothing waiting (or whose first entries went away while we read) is absent.
     oldest: dict[str, float] = field(default_factory=dict)
+    #: Waiting entries per (priority, tenant), estimated as ``waiting`` is.
+    tenants: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def total_depth(self) -> int:
@@ -148,29 +150,41 @@ def _start_queue(client: Client, queue: str) -> dict[str, IAsyncResult]:
 def _finish_queue(
     client: Client, queue: str, calls: dict[str, IAsyncResult], deadline: Deadline
 ) -> tuple[QueueState, dict[str, list[str]]]:
-    """The queue's counts (from its buckets' stats) and per priority its first unclaimed names."""
+    """The queue's counts (from its buckets' stats) and per lane its first unclaimed names."""
     zk, layout = client.zk, client.layout
     claimed = set(deadline.children(calls["claims"]))
     pairs = counts.bucket_counts(zk, layout, queue, deadline.get)
     firsts = {
-        p: zk.get_children_async(layout.bucket(queue, p, ps[0][0])) for p, ps in pairs.items() if ps
+        path: zk.get_children_async(layout.bucket(queue, path, ps[0][0]))
+        for path, ps in pairs.items()
+        if ps
     }
-    depth, waiting, probe = {}, {}, {}
-    for p in defaults.PRIORITIES:
-        depth[p] = sum(n for _, n in pairs[p])
+    depth = counts.by_priority(pairs)
+    waiting = dict.fromkeys(defaults.PRIORITIES, 0)
+    tenants: dict[tuple[str, str], int] = {}
+    probe = {}
+    for path, lane_pairs in pairs.items():
         held, unclaimed = 0, []
+        prefix = path.partition("/")[2]
         # The first bucket holding an unclaimed entry has the oldest waiting job; long jobs
         # may pin earlier ones (the first few are listed, one round trip each after the first).
-        for i, (bucket, _) in enumerate(pairs[p][:OLDEST_BUCKETS]):
-            call = firsts[p] if i == 0 else zk.get_children_async(layout.bucket(queue, p, bucket))
+        for i, (bucket, _) in enumerate(lane_pairs[:OLDEST_BUCKETS]):
+            call = (
+                firsts[path]
+                if i == 0
+                else zk.get_children_async(layout.bucket(queue, path, bucket))
+            )
             names = deadline.children(call)
-            leaf = bucket_name(bucket)
+            leaf = f"{prefix}/{bucket_name(bucket)}" if prefix else bucket_name(bucket)
             unclaimed = [f"{leaf}/{n}" for n in names if n.split("-")[0] not in claimed]
             held += len(names) - len(unclaimed)
             if unclaimed:
                 break
-        waiting[p] = max(0, depth[p] - held)
-        probe[p] = first_in_order(unclaimed, OLDEST_PROBES)
+        count = max(0, sum(n for _, n in lane_pairs) - held)
+        priority, tenant = lane_parts(path)
+        waiting[priority] += count
+        tenants[(priority, tenant)] = count
+        probe[path] = first_in_order(unclaimed, OLDEST_PROBES)
     state = QueueState(
         name=queue,
         depth=depth,
@@ -180,6 +194,7 @@ def _finish_queue(
         dead=deadline.count(calls["dead"]),
         results=sum(deadline.count(calls[f"results/{b}"]) for b in RESULT_BUCKETS),
         max_running=QueueSettings.from_bytes(deadline.get(calls["settings"])[0]).max_running,
+        tenants=tenants,
     )
     return state, probe
 
@@ -201,19 +216,21 @@ def _start_oldest(
 ) -> dict[str, list[IAsyncResult]]:
     zk, layout = client.zk, client.layout
     return {
-        p: [zk.exists_async(layout.entry(queue, p, name)) for name in names]
-        for p, names in probe.items()
+        path: [zk.exists_async(layout.entry(queue, lane_parts(path)[0], name)) for name in names]
+        for path, names in probe.items()
     }
 
 
 def _finish_oldest(probes: dict[str, list[IAsyncResult]], deadline: Deadline) -> dict[str, float]:
-    """The ctime of the first probed entry per priority that still exists."""
-    oldest = {}
-    for priority, calls in probes.items():
+    """The ctime of the oldest first probed entry per priority (over its lanes) that still
+    exists."""
+    oldest: dict[str, float] = {}
+    for path, calls in probes.items():
         stats = [deadline.get(c) for c in calls]
         first = next((s for s in stats if s is not None), None)
         if first is not None:
-            oldest[priority] = first.ctime / 1000
+            priority = lane_parts(path)[0]
+            oldest[priority] = min(oldest.get(priority, first.ctime / 1000), first.ctime / 1000)
     return oldest
 
 
@@ -311,7 +328,14 @@ def _queue_families(queues: list[QueueState], now: float) -> list[Metric]:
             "zkq_queue_idle_workers", "Workers in the line (a slot free).", labels=["queue"]
         ),
     }
+    tenants = GaugeMetricFamily(
+        "zkq_tenant_waiting",
+        "Unclaimed entries per tenant (tenants with a lane in the queue).",
+        labels=["queue", "priority", "tenant"],
+    )
     for q in queues:
+        for (priority, tenant), n in sorted(q.tenants.items()):
+            tenants.add_metric([q.name, priority, tenant], n)
         for priority in defaults.PRIORITIES:
             depth.add_metric([q.name, priority], q.depth[priority])
             age = q.oldest_age(priority, now)
@@ -320,7 +344,7 @@ def _queue_families(queues: list[QueueState], now: float) -> list[Metric]:
         per_queue["waiting"].add_metric([q.name], q.total_waiting)
         for key in ("running", "dead", "results", "idle_workers"):
             per_queue[key].add_metric([q.name], getattr(q, key))
-    return [depth, *per_queue.values(), oldest]
+    return [depth, *per_queue.values(), oldest, tenants]
 
 
 def _workers_family(workers: list[dict[str, Any]], queues: list[str]) -> Metric:

@@ -36,7 +36,7 @@ from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, close, co
 from zkqueue.protocol import counts
 from zkqueue.protocol import result as results
 from zkqueue.protocol.claims import Claims, reclaim
-from zkqueue.protocol.layout import EntryName, Layout, child
+from zkqueue.protocol.layout import EntryName, Layout, child, lane_parts
 from zkqueue.protocol.nodes import own_untracked
 from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.spec import JobSpec
@@ -179,7 +179,8 @@ class Janitor:
     ) -> None:
         scan = self._scans.setdefault(queue, _Scan())
         for priority in defaults.PRIORITIES:
-            self._scan(queue, priority, scan)
+            for path in counts.lanes(self.zk, self.layout, queue, priority):
+                self._scan(queue, path, scan)
         for name, d in list(scan.deadlines.items()):
             if d.entry.job_id in claimed or now - d.ctime <= d.queue_timeout:
                 continue
@@ -188,7 +189,8 @@ class Janitor:
             del scan.deadlines[name]  # expired, or claimed/changed since: a later scan re-reads
 
     def _scan(self, queue: str, priority: str, scan: _Scan) -> None:
-        """Read the new entries of the next few buckets of a priority (in turn, wrapping)."""
+        """Read the new entries of the next few buckets of a lane (``priority``: a priority
+        or a tenant's lane of it; in turn, wrapping)."""
         numbers = counts.buckets(self.zk, self.layout, queue, priority)
         alive = set(numbers)
         scan.seen = {k: v for k, v in scan.seen.items() if k[0] != priority or k[1] in alive}
@@ -208,7 +210,8 @@ class Janitor:
             for e in counts.bucket_entries(self.zk, self.layout, queue, priority, bucket)
             if e.seq > seen
         ]
-        calls = [(e, self.zk.get_async(self.layout.entry(queue, priority, e.name))) for e in fresh]
+        band = lane_parts(priority)[0]
+        calls = [(e, self.zk.get_async(self.layout.entry(queue, band, e.name))) for e in fresh]
         for entry, call in calls:
             scan.seen[(priority, bucket)] = max(scan.seen.get((priority, bucket), -1), entry.seq)
             try:
@@ -217,8 +220,8 @@ class Janitor:
             except (NoNodeError, InvalidJob):
                 continue
             if limit is not None:
-                scan.deadlines[f"{priority}/{entry.name}"] = _Deadline(
-                    priority, entry, limit, stat.ctime / 1000, stat.version
+                scan.deadlines[f"{band}/{entry.name}"] = _Deadline(
+                    band, entry, limit, stat.ctime / 1000, stat.version
                 )
 
     def _expire(self, queue: str, d: _Deadline, now: float) -> bool:

@@ -34,7 +34,8 @@ from zkqueue.producer.aiojob import AsyncJob
 from zkqueue.producer.clientbase import ClientBase, ClientOptions
 from zkqueue.producer.enqueue import Enqueuer
 from zkqueue.protocol import counts, revision
-from zkqueue.protocol.layout import check_priority, check_queue, new_job_id
+from zkqueue.protocol.counts import tenant_waiting
+from zkqueue.protocol.layout import check_priority, check_queue, check_tenant, lane, new_job_id
 from zkqueue.protocol.limits import QueueSettings, check_counts
 from zkqueue.protocol.spec import build_spec
 
@@ -184,20 +185,24 @@ class AsyncClient(ClientBase):
         queue: str = defaults.QUEUE,
         max_new_tokens: int | None = None,
         detach: bool = False,
+        tenant: str | None = None,
         **params: Any,
     ) -> AsyncJob:
         """Enqueue one job (a prompt, or ``messages=[...]`` for a chat) with the job parameters
         of ``Client.submit``. An attached request (detach=False) is withdrawn if this client
         goes away, if its ``result()``/``stream()`` times out, or if the task awaiting it is
-        cancelled."""
+        cancelled. ``tenant``: who the job is for (None: the default tenant)."""
         check_priority(priority)
         check_queue(queue)
+        if tenant is not None:
+            check_tenant(tenant)
+        path = lane(priority, tenant)
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
         job_id = new_job_id()
         with mapped_errors(self.settings.hosts):
             await self.ensure_queue(queue)
-            await self.check_room(queue)
-            name = await self._create_entry(queue, priority, job_id, data, ephemeral=not detach)
+            await self.check_room(queue, tenant)
+            name = await self._create_entry(queue, path, job_id, data, ephemeral=not detach)
         return AsyncJob(self, job_id, queue, priority, name, detach=detach, owned=True)
 
     async def ensure_queue(self, queue: str) -> None:
@@ -221,11 +226,17 @@ class AsyncClient(ClientBase):
     def _waiting(self, queue: str) -> int:
         return counts.waiting(self.zk, self.layout, queue)
 
-    async def check_room(self, queue: str) -> None:
-        """Raise QueueFull when the queue holds its maximum of waiting jobs."""
-        limit = (await self._settings(queue)).max_pending
+    async def check_room(self, queue: str, tenant: str | None = None) -> None:
+        """Raise QueueFull when the queue holds its maximum of waiting jobs, or the tenant
+        its own (``tenants`` in the queue's settings)."""
+        settings = await self._settings(queue)
+        limit = settings.max_pending
         if limit is not None:
             check_counts(queue, limit, await self.waiting(queue))
+        cap = settings.tenant(tenant).max_pending
+        if cap is not None:
+            waiting = await self.blocking(tenant_waiting, self.zk, self.layout, queue, tenant)
+            check_counts(queue, cap, waiting, tenant=tenant)
 
     async def _settings(self, queue: str) -> QueueSettings:
         cached = self._queue_settings.get(queue)

@@ -65,6 +65,7 @@ def submit_lines(
     queue: str,
     max_new_tokens: int | None,
     detach: bool,
+    tenant: str | None = None,
     chunk: int = 256,
     progress: Callable[[int], None] | None = None,
 ) -> None:
@@ -78,6 +79,7 @@ def submit_lines(
             queue=queue,
             max_new_tokens=max_new_tokens,
             detach=detach,
+            tenant=tenant,
         )
         for line, job in zip(part, jobs, strict=True):
             line.job = job

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Unpack
@@ -25,11 +26,15 @@ from zkqueue.producer.job import Job, claimed_entry, find_job, known_jobs
 from zkqueue.producer.queues import delete_queue, queue_stats, queue_table, serving_workers
 from zkqueue.protocol import counts, revision
 from zkqueue.protocol.layout import (
+    EntryName,
     check_job_id,
     check_new_job_id,
     check_priority,
     check_queue,
+    check_tenant,
     is_generated_id,
+    lane,
+    lane_parts,
     new_job_id,
 )
 from zkqueue.protocol.limits import Limits, QueueSettings
@@ -112,40 +117,47 @@ class Client(ClientBase):
         max_new_tokens: int | None = None,
         detach: bool = False,
         keep_result: bool = False,
+        tenant: str | None = None,
         **params: Any,
     ) -> Job:
         """Enqueue one job. An attached request (detach=False) is withdrawn if this client
         goes away, and its result is removed once read (unless ``keep_result``). A ``job_id=``
         that is already pending, running or finished in the queue is not enqueued again: the
-        existing job is returned, with ``existing`` set."""
+        existing job is returned, with ``existing`` set. ``tenant``: who the job is for (fair
+        share inside its priority, ``zkqueue.dispatch.share``; None: the default tenant)."""
         job_id: str | None = params.pop("job_id", None)
         check_priority(priority)
         check_queue(queue)
+        if tenant is not None:
+            check_tenant(tenant)
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
         if job_id is not None:
             check_new_job_id(job_id)
         with self.mapped():
             found = read_through_loss(
-                self.zk, self.settings, lambda: self._before_submit(queue, job_id), "submitting"
+                self.zk,
+                self.settings,
+                lambda: self._before_submit(queue, job_id, tenant),
+                "submitting",
             )
             if found is not None:
                 found.existing = True
                 return found
             job_id = job_id or new_job_id()
-            job = Job(self, job_id, queue, priority, detach=detach, owned=True)
+            job = Job(self, job_id, queue, priority, detach=detach, owned=True, tenant=tenant)
             job.keep_result = keep_result
             if not detach:
                 job.watch_early()  # its caller waits: in the create's round trip
             try:
                 job.entry = self._enqueue.create(
-                    queue, priority, job_id, data, ephemeral=not detach
+                    queue, job.lane, job_id, data, ephemeral=not detach
                 )
             except BaseException:
                 job.unwatch()
                 raise
         return job
 
-    def _before_submit(self, queue: str, job_id: str | None) -> Job | None:
+    def _before_submit(self, queue: str, job_id: str | None, tenant: str | None) -> Job | None:
         """The reads before a create (all safe to repeat after a lost connection): the
         queue's directories, a chosen id already there, the queue's room."""
         self.ensure_queue(queue)
@@ -153,7 +165,7 @@ class Client(ClientBase):
             found = self.find_job(queue, job_id)
             if found is not None:
                 return found
-        self.limits.check_room(queue)
+        self.limits.check_room(queue, tenant=tenant)
         return None
 
     def submit_many(
@@ -164,13 +176,18 @@ class Client(ClientBase):
         queue: str = defaults.QUEUE,
         max_new_tokens: int | None = None,
         detach: bool = True,
+        tenant: str | None = None,
     ) -> list[Job]:
         """Enqueue many jobs with pipelined creates, each a prompt or a mapping with ``prompt``
         and optional ``priority``, ``queue``, ``max_new_tokens``, ``job_id`` and job parameters,
         all validated first. A ``job_id`` already there (or given twice) is not enqueued again:
-        its job comes back with ``existing`` set, so a batch can be submitted again safely."""
+        its job comes back with ``existing`` set, so a batch can be submitted again safely.
+        Every job belongs to ``tenant`` (None: the default tenant)."""
+        if tenant is not None:
+            check_tenant(tenant)
         prepared = [
-            self._prepare(i, s, priority, queue, max_new_tokens) for i, s in enumerate(specs)
+            self._prepare(i, s, priority, queue, max_new_tokens, tenant)
+            for i, s in enumerate(specs)
         ]
         # The ids a submitter chose (zkq's own start with "_", which no submitter may use).
         chosen = {(q, jid) for jid, q, _, _ in prepared if not is_generated_id(jid)}
@@ -181,11 +198,11 @@ class Client(ClientBase):
             )
             fresh = [p for p in prepared if firsts[p[1], p[0]] is p and (p[1], p[0]) not in known]
             read_through_loss(
-                self.zk, self.settings, lambda: self._check_room_many(fresh), "submitting"
+                self.zk, self.settings, lambda: self._check_room_many(fresh, tenant), "submitting"
             )
             names = self._enqueue.create_many(fresh, ephemeral=not detach)
         made = {
-            (q, jid): Job(self, jid, q, p, name, detach=detach, owned=True)
+            (q, jid): Job(self, jid, q, lane_parts(p)[0], name, detach=detach, owned=True)
             for (jid, q, p, _), name in zip(fresh, names, strict=True)
         }
         return [known.get((q, jid)) or made[q, jid] for jid, q, _, _ in prepared]
@@ -197,9 +214,11 @@ class Client(ClientBase):
             self.ensure_queue(q)
         return known_jobs(self, chosen)
 
-    def _check_room_many(self, fresh: list[tuple[str, str, str, bytes]]) -> None:
+    def _check_room_many(
+        self, fresh: list[tuple[str, str, str, bytes]], tenant: str | None
+    ) -> None:
         for q in {p[1] for p in fresh}:
-            self.limits.check_room(q, sum(1 for p in fresh if p[1] == q))
+            self.limits.check_room(q, sum(1 for p in fresh if p[1] == q), tenant=tenant)
 
     def _prepare(
         self,
@@ -208,6 +227,7 @@ class Client(ClientBase):
         priority: str,
         queue: str,
         max_new_tokens: int | None,
+        tenant: str | None = None,
     ) -> tuple[str, str, str, bytes]:
         try:
             sub = parse_submission(
@@ -219,18 +239,20 @@ class Client(ClientBase):
             )
         except InvalidJob as exc:
             raise type(exc)(f"spec #{index}: {exc}") from None
-        return sub.job_id or new_job_id(), sub.queue, sub.priority, sub.data
+        return sub.job_id or new_job_id(), sub.queue, lane(sub.priority, tenant), sub.data
 
     # -- reading -----------------------------------------------------------------------------
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
-        """The entry name (``<bucket>/<id>-<seq>``) of a job in one priority: a running job's
-        from its claim, else by listing the priority's buckets newest first."""
+        """The entry name (``[@<tenant>/]<bucket>/<id>-<seq>``) of a job in one lane (a
+        priority, or a tenant's lane of it): a running job's from its claim, else by listing
+        the lane's buckets newest first."""
         running = claimed_entry(self, queue, job_id)
         if running is not None:
             prio, _, name = running.partition("/")
-            if prio == priority:
-                return name
+            with contextlib.suppress(InvalidJob):
+                if lane(prio, EntryName.parse(name).tenant) == priority:
+                    return name
         return counts.find(self.zk, self.layout, queue, priority, job_id)
 
     def find_job(self, queue: str, job_id: str) -> Job | None:

@@ -28,7 +28,7 @@ from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, ZkqConnectionError
 from zkqueue.plumbing.connection import ConnectionSettings, read_through_loss
 from zkqueue.protocol import arrival, claims, revision
-from zkqueue.protocol.layout import Layout
+from zkqueue.protocol.layout import TENANT_MARK, EntryName, Layout
 from zkqueue.protocol.nodes import read_tail
 
 #: Creates per multi in create_many, and multis in flight at once.
@@ -37,7 +37,8 @@ _MULTIS_IN_FLIGHT = 8
 #: Tries when the tail keeps moving under us (every try reads it again).
 _STALE_TRIES = 50
 
-#: (job id, queue, priority, spec bytes) of one entry to create.
+#: (job id, queue, lane, spec bytes) of one entry to create: the lane is the priority, or its
+#: tenant's directory below it (``zkqueue.protocol.layout.lane``).
 Prepared = tuple[str, str, str, bytes]
 
 
@@ -97,8 +98,11 @@ class Enqueuer:
             try:
                 found = read_tail(self._zk(), self.layout, queue, priority)
             except NoNodeError:  # the queue was deleted since this client made it: again
-                # (every directory: a delete under way may have left the others)
-                revision.ensure_dirs(self._zk(), self.layout, queue, all_of=True)
+                # (every directory: a delete under way may have left the others), or a
+                # tenant's first job in this priority: its lane is made
+                revision.ensure_dirs(self._zk(), self.layout, queue, all_of="/" not in priority)
+                if "/" in priority:
+                    revision.ensure_lane(self._zk(), self.layout, queue, priority)
                 found = read_tail(self._zk(), self.layout, queue, priority)
             self._tails[(queue, priority)] = found
         return found
@@ -168,9 +172,9 @@ class Enqueuer:
         """Open the next bucket of every priority whose tail bucket this chunk filled."""
         full: set[tuple[str, str, int]] = set()
         for (_, queue, priority, _), path in zip(chunk, paths, strict=True):
-            number, leaf = _relative(path).split("/")
-            if int(leaf.rsplit("-", 1)[1]) + 1 >= self.bucket_size:
-                full.add((queue, priority, int(number)))
+            entry = EntryName.parse(_relative(path))
+            if entry.seq + 1 >= self.bucket_size:
+                full.add((queue, priority, entry.bucket))
         for queue, priority, bucket in full:
             tail, version = self.tail(queue, priority)
             if bucket == tail:
@@ -209,6 +213,7 @@ class Enqueuer:
 
 
 def _relative(path: str) -> str:
-    """An entry's name below its priority (``<bucket>/<id>-<seq>``) from its full path."""
-    head, leaf = path.rsplit("/", 1)
-    return f"{head.rsplit('/', 1)[1]}/{leaf}"
+    """An entry's name below its priority (``[@<tenant>/]<bucket>/<id>-<seq>``) from its full
+    path."""
+    _, lane_dir, bucket, leaf = path.rsplit("/", 3)
+    return f"{lane_dir}/{bucket}/{leaf}" if lane_dir.startswith(TENANT_MARK) else f"{bucket}/{leaf}"

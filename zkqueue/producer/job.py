@@ -347,7 +347,7 @@ class Job(JobPaths):
         """Find the entry name by scanning the priority's children (only for bare ids)."""
         if self.entry is not None:
             return
-        found = self.client.find_entry(self.queue, self.priority, self.id)
+        found = self.client.find_entry(self.queue, self.lane, self.id)
         if found is not None:
             self.entry = found
 
@@ -434,9 +434,10 @@ def find_job(client: Owner, queue: str, job_id: str) -> Job | None:
         priority, _, entry = running.partition("/")
         return Job(client, job_id, queue, priority, entry)
     for priority in defaults.PRIORITIES:
-        name = counts.find(client.zk, client.layout, queue, priority, job_id)
-        if name is not None:
-            return Job(client, job_id, queue, priority, name)
+        for path in counts.lanes(client.zk, client.layout, queue, priority):
+            name = counts.find(client.zk, client.layout, queue, path, job_id)
+            if name is not None:
+                return Job(client, job_id, queue, priority, name)
     return finished(client, queue, {job_id}).get(job_id)
 
 

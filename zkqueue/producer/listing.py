@@ -7,10 +7,11 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from zkqueue import defaults
 from zkqueue.errors import CorruptRecord
 from zkqueue.protocol import counts
 from zkqueue.protocol.jobpaths import PENDING, RUNNING
-from zkqueue.protocol.layout import EntryName, Layout
+from zkqueue.protocol.layout import EntryName, Layout, lane, lane_parts
 from zkqueue.protocol.records import ClaimBody
 
 #: Entries whose stats are read in one pipelined page.
@@ -67,6 +68,7 @@ def _rows(
             "id": entry.job_id,
             "queue": queue,
             "priority": priority,
+            "tenant": entry.tenant_name,
             "attempts": stat.version,
             "submitted_at": stat.ctime / 1000,
         }
@@ -81,17 +83,27 @@ def _rows(
 
 def position(zk: KazooClient, layout: Layout, queue: str, entry: str) -> int | None:
     """About the 1-based place of ``entry`` among the unclaimed entries: entries in earlier
-    buckets counted from their stats, running jobs taken off."""
+    buckets of its lane and in the lanes of higher priorities counted from their stats, running
+    jobs taken off. Other tenants' lanes of its own priority are not counted: the head takes
+    from them by fair share, interleaved with this one."""
     parsed = EntryName.parse(entry)
+    calls = {p: zk.exists_async(layout.entry(queue, p, entry)) for p in defaults.PRIORITIES}
+    mine = next((p for p, call in calls.items() if call.get() is not None), None)
+    if mine is None:
+        return None
     running = claimed(zk, layout, queue)
+    own_lane = lane(mine, parsed.tenant)
     ahead = 0
-    for priority, pairs in counts.bucket_counts(zk, layout, queue).items():
+    for path, pairs in counts.bucket_counts(zk, layout, queue).items():
+        priority = lane_parts(path)[0]
+        if priority == mine and path != own_lane:
+            continue
         for bucket, n in pairs:
-            if bucket == parsed.bucket and zk.exists(layout.entry(queue, priority, entry)):
-                own = counts.bucket_entries(zk, layout, queue, priority, bucket)
-                mine = sum(1 for e in own if e.job_id in running)
+            if path == own_lane and bucket == parsed.bucket:
+                own = counts.bucket_entries(zk, layout, queue, path, bucket)
+                held = sum(1 for e in own if e.job_id in running)
                 waiting = [e for e in own if e.order < parsed.order and e.job_id not in running]
-                return max(1, ahead - (len(running) - mine) + len(waiting) + 1)
+                return max(1, ahead - (len(running) - held) + len(waiting) + 1)
             ahead += n
     return None
 

@@ -94,15 +94,19 @@ class Claims:
         line: Line,
         rejoin: bool,
         give_back: Sequence[tuple[Claim, bytes]] = (),
+        extra: Sequence[tuple[str, bytes]] = (),
     ) -> list[Claim] | None:
         """Claim ``picked`` in one multi that also leaves the line (and rejoins it at the back
         when slots stay free). ``give_back`` preempts claims of this worker in the same multi:
         each entry's data becomes the given spec (its preemption counted) and is pending
         again. None if any entry changed under us: nothing was claimed, nothing given back
         (a preempted job was cancelled or fenced meanwhile, or an urgent one claimed by
-        another head)."""
+        another head). ``extra``: plain writes (path, data) that go with the claim (the
+        tenants' service counters that the choice changed)."""
         now = time.time()
         txn = self.zk.transaction()
+        for path, data in extra:
+            txn.set_data(path, data)
         for claim, spec in give_back:
             txn.set_data(self.entry_path(claim.priority, claim.entry), spec, version=claim.token)
             txn.delete(self.layout.claim(self.queue, claim.id))
@@ -479,7 +483,9 @@ def requeue(
     outcome = txn.commit()
     if transaction_failed(outcome):
         return None
-    return str(outcome[2]).split("/")[-2] + "/" + str(outcome[2]).rsplit("/", 1)[1]
+    _, lane_dir, bucket, leaf = str(outcome[2]).rsplit("/", 3)
+    name = f"{bucket}/{leaf}"
+    return f"{lane_dir}/{name}" if "/" in priority else name
 
 
 def move(

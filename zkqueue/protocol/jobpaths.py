@@ -7,6 +7,7 @@ from typing import Any
 
 from zkqueue.errors import JobTimeout
 from zkqueue.plumbing.watches import remove_data_watch
+from zkqueue.protocol.layout import EntryName, lane
 
 PENDING = "pending"
 RUNNING = "running"
@@ -28,6 +29,7 @@ class JobPaths:
         *,
         detach: bool = True,
         owned: bool = False,
+        tenant: str | None = None,
     ) -> None:
         """The job's identity, the same for both faces: its client, id, queue, priority and
         entry (None until found); ``detach``: submitted detached; ``owned``: the submitter's
@@ -37,6 +39,9 @@ class JobPaths:
         self.queue = queue
         self.priority = priority
         self.entry = entry
+        #: The tenant the job belongs to (``zkq submit --tenant``); from its entry name when
+        #: known, else as given (None: the default tenant).
+        self.tenant = (EntryName.parse(entry).tenant or None) if entry else tenant
         self.detach = detach
         self.owned = owned
         #: Bytes of the result record as read (for the consumer's accounting).
@@ -49,6 +54,11 @@ class JobPaths:
     def __repr__(self) -> str:
         name, fields = type(self).__name__, (self.id, self.queue, self.priority)
         return "{}(id={!r}, queue={!r}, priority={!r})".format(name, *fields)
+
+    @property
+    def lane(self) -> str:
+        """The directory below ``pending/`` that holds the job's entry (its tenant's lane)."""
+        return lane(self.priority, self.tenant)
 
     @property
     def entry_path(self) -> str | None:

@@ -1,9 +1,13 @@
-"""The znode layout (protocol version 2): every path zkq reads or writes is built here and nowhere
+"""The znode layout (protocol version 3): every path zkq reads or writes is built here and nowhere
 else. Every parent that grows with traffic is split into bounded buckets (docs/PROTOCOL.md).
 
-<root>/protocol                                           "2": the layout version
+<root>/protocol                                           "3": the layout version
 <root>/queues/<queue>/pending/<priority>                  data: the tail bucket's number
 <root>/queues/<queue>/pending/<priority>/<bucket>/<id>-<seq>   a job waiting or running (spec)
+                                                          of the default tenant
+<root>/queues/<queue>/pending/<priority>/@<tenant>        data: the tenant's tail bucket
+<root>/queues/<queue>/pending/<priority>/@<tenant>/<bucket>/<id>-<seq>   a job of <tenant>
+<root>/queues/<queue>/service/<tenant>                    the tenant's service counter (tokens)
 <root>/queues/<queue>/claims/<id>                         EPHEMERAL: the running worker's claim
 <root>/queues/<queue>/line/w-<seq>                        EPHEMERAL_SEQUENTIAL: a worker with room
 <root>/queues/<queue>/busy/<floor>/w-<seq>                EPHEMERAL_SEQUENTIAL: a full worker that
@@ -13,8 +17,11 @@ else. Every parent that grows with traffic is split into bounded buckets (docs/P
 <root>/queues/<queue>/dead/<letter>                       dead-lettered entry and reason (bounded)
 <root>/workers/<worker-id>                                EPHEMERAL worker registration (JSON)
 
-An entry's *name* is its path below its priority, ``<bucket>/<id>-<seq>``: ``entry()`` and
-``claim()`` take it.
+An entry's *name* is its path below its priority, ``<bucket>/<id>-<seq>`` (default tenant) or
+``@<tenant>/<bucket>/<id>-<seq>``: ``entry()`` and ``claim()`` take it. A *lane* is the directory
+of one tenant's buckets below ``pending/``: ``<priority>`` or ``<priority>/@<tenant>``; every
+function that builds a bucket or tail path takes a lane where it says ``priority`` (a priority
+is the default tenant's lane).
 """
 
 from __future__ import annotations
@@ -28,7 +35,12 @@ from functools import cached_property
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+#: The tenant of jobs submitted without one (and of every job of protocol version 2's producers):
+#: its lane is the priority's directory itself.
+DEFAULT_TENANT = "default"
+#: The first character of a tenant's lane below a priority (never the start of a bucket or id).
+TENANT_MARK = "@"
 _QUEUE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ROOT_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
@@ -51,6 +63,36 @@ def check_queue(name: str) -> str:
             "not starting with '.' or '-'"
         )
     return name
+
+
+def check_tenant(name: str) -> str:
+    if not isinstance(name, str) or not _QUEUE_RE.match(name):
+        raise InvalidJob(
+            f"bad tenant name {name!r}: use 1-64 letters, digits, '_', '.', '-', "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
+def lane(priority: str, tenant: str | None = None) -> str:
+    """The path below ``pending/`` of a tenant's buckets in ``priority`` (the default tenant's
+    are the priority's own)."""
+    if not tenant or tenant == DEFAULT_TENANT:
+        return priority
+    return f"{priority}/{TENANT_MARK}{tenant}"
+
+
+def lane_parts(path: str) -> tuple[str, str]:
+    """(priority, tenant) of a lane."""
+    priority, _, rest = path.partition("/")
+    return priority, rest[len(TENANT_MARK) :] if rest else DEFAULT_TENANT
+
+
+def tenant_of_child(name: str) -> str | None:
+    """The tenant whose lane a child of a priority's directory is, None for any other name."""
+    if name.startswith(TENANT_MARK) and _QUEUE_RE.match(name[len(TENANT_MARK) :]):
+        return name[len(TENANT_MARK) :]
+    return None
 
 
 def check_worker_name(name: str) -> str:
@@ -142,6 +184,8 @@ class EntryName:
     bucket: int
     seq: int
     job_id: str
+    #: The tenant whose lane holds it ("": the default tenant's, the priority's own buckets).
+    tenant: str = ""
 
     # Cached (the head walks its candidates' names and orders every turn); a frozen dataclass
     # still has an instance dict, which cached_property writes to directly.
@@ -152,7 +196,13 @@ class EntryName:
 
     @cached_property
     def name(self) -> str:
-        return f"{bucket_name(self.bucket)}/{self.leaf}"
+        lane = f"{TENANT_MARK}{self.tenant}/" if self.tenant else ""
+        return f"{lane}{bucket_name(self.bucket)}/{self.leaf}"
+
+    @property
+    def tenant_name(self) -> str:
+        """The tenant, by name (``DEFAULT_TENANT`` for the priority's own buckets)."""
+        return self.tenant or DEFAULT_TENANT
 
     @cached_property
     def order(self) -> tuple[int, int]:
@@ -161,20 +211,26 @@ class EntryName:
 
     @classmethod
     def parse(cls, name: str) -> EntryName:
-        """Parse ``<bucket>/<id>-<seq>``."""
+        """Parse ``[@<tenant>/]<bucket>/<id>-<seq>``."""
+        tenant = ""
+        if name.startswith(TENANT_MARK):
+            first, _, name = name.partition("/")
+            tenant = tenant_of_child(first) or ""
+            if not tenant:
+                raise InvalidJob(f"entry name {first!r} is not @<tenant>")
         bucket, sep, leaf = name.partition("/")
         number = parse_bucket(bucket)
         if not sep or number is None:
             raise InvalidJob(f"entry name {name!r} is not <bucket>/<id>-<sequence>")
-        return cls.parse_leaf(leaf, number)
+        return cls.parse_leaf(leaf, number, tenant)
 
     @classmethod
-    def parse_leaf(cls, leaf: str, bucket: int) -> EntryName:
-        """Parse a node name ``<id>-<seq>`` found in ``bucket``."""
+    def parse_leaf(cls, leaf: str, bucket: int, tenant: str = "") -> EntryName:
+        """Parse a node name ``<id>-<seq>`` found in ``bucket`` (of ``tenant``'s lane)."""
         job_id, sep, seq = leaf.partition("-")
         if not sep or not _ID_RE.match(job_id) or not _SEQ_RE.match(seq):
             raise InvalidJob(f"entry name {leaf!r} is not <id>-<10-digit sequence>")
-        return cls(bucket=bucket, seq=int(seq), job_id=job_id)
+        return cls(bucket=bucket, seq=int(seq), job_id=job_id, tenant=tenant)
 
 
 def entry_job_id(name: str) -> str | None:
@@ -234,7 +290,8 @@ class Layout:
         return f"{self.root}/queues/{queue}"
 
     def pending(self, queue: str, priority: str) -> str:
-        """A priority's directory of buckets; its data is the tail bucket's number."""
+        """A lane's directory of buckets (a priority: the default tenant's); its data is the
+        tail bucket's number."""
         return f"{self.root}/queues/{queue}/pending/{priority}"
 
     def bucket(self, queue: str, priority: str, bucket: int) -> str:
@@ -247,6 +304,13 @@ class Layout:
     def entry_prefix(self, queue: str, priority: str, job_id: str, bucket: int = 0) -> str:
         """Path to pass to a sequential create in ``bucket``; ZooKeeper appends the sequence."""
         return f"{self.bucket(queue, priority, bucket)}/{job_id}-"
+
+    def service(self, queue: str) -> str:
+        """The tenants' service counters (fair share: ``zkqueue.dispatch.share``)."""
+        return f"{self.root}/queues/{queue}/service"
+
+    def tenant_service(self, queue: str, tenant: str) -> str:
+        return f"{self.service(queue)}/{tenant}"
 
     def claims(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/claims"
@@ -325,6 +389,7 @@ class Layout:
             *(self.busy_line(queue, p) for p in PREEMPTIBLE),
             self.expiry(queue),
             self.dead(queue),
+            self.service(queue),
             self.results(queue),
             *(self.result_dir(queue, b) for b in RESULT_BUCKETS),
         ]

@@ -2,13 +2,15 @@
 
 ``max_pending`` is backpressure: beyond it, submit fails fast with QueueFull (like an HTTP 429).
 ``max_running`` caps the jobs of the queue running at once across all workers: the head of the
-line (the only claimer) claims no more than the cap leaves room for (``RunningCap``)."""
+line (the only claimer) claims no more than the cap leaves room for (``RunningCap``).
+``tenants`` gives a tenant its fair-share ``weight`` (default 1) and its own ``max_pending``;
+``promote_after`` turns on aging (``zkqueue.dispatch.share``)."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -16,7 +18,8 @@ from kazoo.exceptions import BadVersionError, NoNodeError
 
 from zkqueue.errors import InvalidJob, QueueFull
 from zkqueue.protocol import counts
-from zkqueue.protocol.layout import Layout
+from zkqueue.protocol.counts import tenant_waiting
+from zkqueue.protocol.layout import DEFAULT_TENANT, Layout, check_tenant
 
 #: Seconds a producer trusts its copy of a queue's settings.
 _CACHE_SECONDS = 5.0
@@ -28,18 +31,60 @@ LIMITS = ("max_pending", "max_running")
 MAX_LIMIT = 2**31 - 1
 
 
+#: The largest tenant weight (a weight is a share of service: 1000:1 is already extreme).
+MAX_WEIGHT = 1000.0
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    """One tenant's entry in a queue's settings: its fair-share weight and its own cap on
+    jobs waiting."""
+
+    weight: float = 1.0
+    max_pending: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"weight": self.weight}
+        if self.max_pending is not None:
+            found["max_pending"] = self.max_pending
+        return found
+
+    @classmethod
+    def from_raw(cls, raw: Any) -> TenantSettings:
+        if not isinstance(raw, dict):
+            return cls()
+        weight = _number(raw.get("weight"))
+        return cls(
+            weight=weight if weight is not None and weight <= MAX_WEIGHT else 1.0,
+            max_pending=_limit(raw.get("max_pending")),
+        )
+
+
 @dataclass(frozen=True)
 class QueueSettings:
     """JSON data of <root>/queues/<queue>: {"max_pending": N, "max_running": M} (absent or
-    null: no limit)."""
+    null: no limit), and optionally ``"promote_after": S`` (aging, seconds) and ``"tenants":
+    {"<tenant>": {"weight": W, "max_pending": N}}``."""
 
     max_pending: int | None = None
     max_running: int | None = None
+    promote_after: float | None = None
+    tenants: dict[str, TenantSettings] = field(default_factory=dict)
+
+    def tenant(self, name: str | None) -> TenantSettings:
+        """A tenant's settings (the defaults for one the settings do not name)."""
+        return self.tenants.get(name or DEFAULT_TENANT) or TenantSettings()
+
+    def weight(self, name: str) -> float:
+        return self.tenant(name).weight
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {"max_pending": self.max_pending, "max_running": self.max_running}
-        ).encode()
+        record: dict[str, Any] = {"max_pending": self.max_pending, "max_running": self.max_running}
+        if self.promote_after is not None:
+            record["promote_after"] = self.promote_after
+        if self.tenants:
+            record["tenants"] = {t: s.to_dict() for t, s in sorted(self.tenants.items())}
+        return json.dumps(record).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> QueueSettings:
@@ -49,7 +94,21 @@ class QueueSettings:
             return cls()
         if not isinstance(raw, dict):
             return cls()
-        return cls(**{name: _limit(raw.get(name)) for name in LIMITS})
+        tenants = raw.get("tenants")
+        if not isinstance(tenants, dict):
+            tenants = {}
+        return cls(
+            max_pending=_limit(raw.get("max_pending")),
+            max_running=_limit(raw.get("max_running")),
+            promote_after=_number(raw.get("promote_after")),
+            tenants={str(t): TenantSettings.from_raw(v) for t, v in tenants.items()},
+        )
+
+
+def _number(value: Any) -> float | None:
+    """A positive number from JSON (None for anything else)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else None
 
 
 def _limit(value: Any) -> int | None:
@@ -91,7 +150,7 @@ class Limits:
         path = self.layout.queue(queue)
         while True:
             data, stat = self.zk.get(path)
-            settings = replace(QueueSettings.from_bytes(data), **limits)
+            settings = replace(QueueSettings.from_bytes(data), **limits)  # type: ignore[arg-type]
             try:
                 self.zk.set(path, settings.to_bytes(), version=stat.version)
             except BadVersionError:
@@ -102,23 +161,79 @@ class Limits:
     def set_max_pending(self, queue: str, max_pending: int | None) -> None:
         self.set(queue, max_pending=max_pending)
 
+    def set_promote_after(self, queue: str, seconds: float | None) -> QueueSettings:
+        """Turn aging on (a job that waited ``seconds`` is dispatched a priority up, and one
+        more per ``seconds`` more) or off (None)."""
+        if seconds is not None and not 0 < seconds <= 86400 * 365:
+            raise InvalidJob(f"promote after must be more than 0 seconds, not {seconds:g}")
+        return self._change(queue, lambda s: replace(s, promote_after=seconds))
+
+    def set_tenant(
+        self,
+        queue: str,
+        tenant: str,
+        weight: float | None = None,
+        max_pending: int | None = None,
+        *,
+        remove: bool = False,
+    ) -> QueueSettings:
+        """Set a tenant's weight and cap (None keeps it unchanged), or forget its settings."""
+        check_tenant(tenant)
+        if weight is not None and not 0 < weight <= MAX_WEIGHT:
+            raise InvalidJob(f"a tenant's weight must be more than 0 and at most {MAX_WEIGHT:g}")
+        if max_pending is not None and not 1 <= max_pending <= MAX_LIMIT:
+            raise InvalidJob(f"a tenant's max pending must be 1 to {MAX_LIMIT}")
+
+        def change(settings: QueueSettings) -> QueueSettings:
+            tenants = dict(settings.tenants)
+            if remove:
+                tenants.pop(tenant, None)
+            else:
+                old = tenants.get(tenant) or TenantSettings()
+                tenants[tenant] = TenantSettings(
+                    weight=old.weight if weight is None else float(weight),
+                    max_pending=old.max_pending if max_pending is None else max_pending,
+                )
+            return replace(settings, tenants=tenants)
+
+        return self._change(queue, change)
+
+    def _change(self, queue: str, change: Any) -> QueueSettings:
+        """Apply ``change`` to the settings, retried against a concurrent writer's version."""
+        path = self.layout.queue(queue)
+        while True:
+            data, stat = self.zk.get(path)
+            settings = change(QueueSettings.from_bytes(data))
+            try:
+                self.zk.set(path, settings.to_bytes(), version=stat.version)
+            except BadVersionError:
+                continue
+            self._cache.pop(queue, None)
+            return settings
+
     def waiting(self, queue: str) -> int:
         """Jobs not yet started (``counts.waiting``)."""
         return counts.waiting(self.zk, self.layout, queue)
 
-    def check_room(self, queue: str, adding: int = 1) -> None:
-        limit = self.settings(queue).max_pending
-        if limit is None:
-            return
-        check_counts(queue, limit, self.waiting(queue), adding)
+    def check_room(self, queue: str, adding: int = 1, tenant: str | None = None) -> None:
+        settings = self.settings(queue)
+        if settings.max_pending is not None:
+            check_counts(queue, settings.max_pending, self.waiting(queue), adding)
+        cap = settings.tenant(tenant).max_pending
+        if cap is not None:
+            waiting = tenant_waiting(self.zk, self.layout, queue, tenant)
+            check_counts(queue, cap, waiting, adding, tenant=tenant)
 
 
-def check_counts(queue: str, limit: int, waiting: int, adding: int = 1) -> None:
+def check_counts(
+    queue: str, limit: int, waiting: int, adding: int = 1, tenant: str | None = None
+) -> None:
     """Raise QueueFull when ``adding`` more jobs would put ``waiting`` over ``limit`` (shared by
-    the blocking and the asyncio producers)."""
+    the blocking and the asyncio producers); ``tenant``: the limit is that tenant's."""
     if waiting + adding > limit:
+        whose = f"tenant {tenant!r} of queue {queue!r} is" if tenant else f"queue {queue!r} is"
         raise QueueFull(
-            f"queue {queue!r} is full: {waiting} jobs waiting, the limit is {limit}"
+            f"{whose} full: {waiting} jobs waiting, the limit is {limit}"
             f"{f' (this batch adds {adding})' if adding > 1 else ''}; try again later"
         )
 
@@ -131,7 +246,7 @@ class RunningCap:
     def __init__(self, zk: KazooClient, layout: Layout, queue: str) -> None:
         self.zk = zk
         self.path = layout.queue(queue)
-        self._value: int | None = None
+        self._settings = QueueSettings()
         self._stale = True
         zk.add_listener(self.invalidate)  # any connection change: re-read, re-arm the watch
 
@@ -140,6 +255,11 @@ class RunningCap:
 
     @property
     def value(self) -> int | None:
+        return self.settings.max_running
+
+    @property
+    def settings(self) -> QueueSettings:
+        """The queue's whole settings, as last read (the head's weights and aging too)."""
         if self._stale:
             self._stale = False  # before the read: a change during it fires the watch again
             try:
@@ -150,5 +270,5 @@ class RunningCap:
             except BaseException:
                 self._stale = True
                 raise
-            self._value = QueueSettings.from_bytes(data).max_running
-        return self._value
+            self._settings = QueueSettings.from_bytes(data)
+        return self._settings

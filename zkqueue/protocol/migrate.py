@@ -1,4 +1,10 @@
-"""``zkq migrate``: move a root written by protocol version 1 to version 2.
+"""``zkq migrate``: move a root written by protocol version 1 or 2 to version 3.
+
+Version 2 to 3 moves nothing: version 3 adds tenants' lanes (``pending/<priority>/@<tenant>``)
+beside the default tenant's buckets, which stay where they are, and the tenants' service
+counters (``service/``). The step needs the version 2 workers stopped (their head would take a
+tenant's lane for a malformed entry): it refuses while a queue has claims or a line, creates
+the new directories and writes ``3``.
 
 Version 1 kept pending entries flat (``pending/<priority>/<id>-<seq>``), results flat
 (``results/<id>``) and claims by entry name. The move needs the queue idle of version 1 workers
@@ -6,7 +12,8 @@ Version 1 kept pending entries flat (``pending/<priority>/<id>-<seq>``), results
 (each move one multi: create the new entry, delete the old), keeping their spec; attached
 (ephemeral) entries belong to version 1 callers and cannot be moved: they are left to their
 sessions, and reported. Results move into their hash buckets with an expiry index node. Dead
-letters keep their names. Then ``<root>/protocol`` says 2."""
+letters keep their names. Then ``<root>/protocol`` says 3 (version 1's layout is version 2's
+with no tenants)."""
 
 from __future__ import annotations
 
@@ -39,33 +46,40 @@ class MigrationReport:
 def migrate(
     zk: KazooClient, layout: Layout, bucket_size: int = defaults.PENDING_BUCKET
 ) -> MigrationReport:
-    """Move every queue of a version 1 root to version 2 (a version 2 root: nothing to do)."""
+    """Move every queue of a version 1 or 2 root to version 3 (a version 3 root: nothing to
+    do)."""
     report = MigrationReport()
     version = revision.read_version(zk, layout)
     if version == PROTOCOL_VERSION:
         return report
-    if version not in (None, 1):
+    if version not in (None, 1, 2):
         raise ConfigurationError(revision.mismatch(layout, version))
     try:
         queues = sorted(zk.get_children(layout.queues()))
     except NoNodeError:
         queues = []
     for queue in queues:
-        _check_idle(zk, layout, queue)
+        _check_idle(zk, layout, queue, version or 1)
     for queue in queues:
-        _migrate_queue(zk, layout, queue, bucket_size, report)
-    with suppress(NodeExistsError):
-        zk.create(layout.protocol(), str(PROTOCOL_VERSION).encode(), makepath=True)
+        if version == 2:
+            revision.ensure_dirs(zk, layout, queue, all_of=True)
+        else:
+            _migrate_queue(zk, layout, queue, bucket_size, report)
+    marker = str(PROTOCOL_VERSION).encode()
+    try:
+        zk.create(layout.protocol(), marker, makepath=True)
+    except NodeExistsError:
+        zk.set(layout.protocol(), marker)
     return report
 
 
-def _check_idle(zk: KazooClient, layout: Layout, queue: str) -> None:
+def _check_idle(zk: KazooClient, layout: Layout, queue: str, version: int) -> None:
     for path in (layout.claims(queue), layout.line(queue)):
         stat = zk.exists(path)
         if stat is not None and stat.numChildren:
             raise ConfigurationError(
-                f"queue {queue!r} still has version 1 workers ({path} is not empty): stop them "
-                "before migrating"
+                f"queue {queue!r} still has version {version} workers ({path} is not empty): "
+                "stop them before migrating"
             )
 
 

@@ -1,7 +1,8 @@
 """The protocol revision of a root (the version of its znode layout): ``<root>/protocol`` holds
-it (``"2"``). A root without the marker and without queues is new (the marker is written); one
-with queues but no marker was written by revision 1 (flat pending and results directories) and is
-refused, never misread: ``zkq migrate`` moves it."""
+it (``"3"``). A root without the marker and without queues is new (the marker is written); one
+with queues but no marker was written by revision 1 (flat pending and results directories), one
+marked ``2`` by revision 2 (no tenants' lanes, whose ``@<tenant>`` directories its workers would
+take for garbage). Both are refused, never misread: ``zkq migrate`` moves them."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def ensure(zk: KazooClient, layout: Layout) -> None:
 
 def mismatch(layout: Layout, version: int | None) -> str:
     root = layout.root or "/"
+    if version == 2:
+        return (
+            f"root {root} was written by zkq protocol version 2 (before tenants); stop its "
+            f"workers and run `zkq migrate --root {root}` to move it to version "
+            f"{PROTOCOL_VERSION}"
+        )
     if version == 1:
         return (
             f"root {root} was written by zkq protocol version 1 (flat pending and results "
@@ -49,6 +56,14 @@ def mismatch(layout: Layout, version: int | None) -> str:
         f"root {root} holds protocol version {version}; this zkq speaks version "
         f"{PROTOCOL_VERSION} only"
     )
+
+
+def ensure_lane(zk: KazooClient, layout: Layout, queue: str, lane: str) -> None:
+    """Create a tenant's lane in a priority and its first bucket where missing (the head hears
+    of the new lane through its watch on the priority's children)."""
+    for path in (layout.pending(queue, lane), layout.bucket(queue, lane, 0)):
+        with suppress(NodeExistsError):
+            zk.create(path)
 
 
 def ensure_dirs(zk: KazooClient, layout: Layout, queue: str, *, all_of: bool = False) -> None:

@@ -1,0 +1,150 @@
+"""Tenants: fair share inside a priority (by weighted tokens, durable in ZooKeeper), strict priority
+between bands, aging, per-tenant caps, and the protocol revision that brought tenants' lanes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.runners import RecordingRunner
+from zkqueue import Client
+from zkqueue.errors import ProtocolMismatch, QueueFull
+from zkqueue.protocol import revision
+from zkqueue.protocol.layout import Layout
+from zkqueue.protocol.limits import Limits
+from zkqueue.protocol.migrate import migrate
+
+
+def _tenants_of(seen: list[str]) -> list[str]:
+    return [p.split(":")[0] for p in seen]
+
+
+def test_a_tenants_job_lands_in_its_lane_and_runs(client: Client, start_worker) -> None:
+    job = client.submit("hello", tenant="acme", detach=True)
+    assert job.entry is not None and job.entry.startswith("@acme/0000000000/")
+    assert job.tenant == "acme"
+    assert client.job(job.id).info()["state"] == "pending"
+    rows = client.list("default")
+    assert [(r["id"], r["tenant"]) for r in rows] == [(job.id, "acme")]
+    start_worker()
+    assert job.result(timeout=10).status == "succeeded"
+
+
+def test_inside_a_priority_tenants_take_turns(client: Client, start_worker) -> None:
+    """A backlog of A's jobs, then a few of B's: B's are taken in turn with A's, not after
+    all of A's; inside each tenant first come, first served."""
+    client.submit_many([f"A:{i}" for i in range(30)], tenant="A")
+    client.submit_many([f"B:{i}" for i in range(5)], tenant="B")
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    wait_for(lambda: len(runner.seen) >= 35, 30)
+    first = _tenants_of(runner.seen[:12])
+    assert first.count("B") == 5, runner.seen[:12]
+    assert [p for p in runner.seen if p.startswith("A")] == [f"A:{i}" for i in range(30)]
+    assert [p for p in runner.seen if p.startswith("B")] == [f"B:{i}" for i in range(5)]
+
+
+def test_weights_share_service_3_to_1(client: Client, start_worker, layout) -> None:
+    client.ensure_queue("default")
+    Limits(client.zk, layout).set_tenant("default", "gold", weight=3)
+    client.submit_many([f"gold:{i}" for i in range(60)], tenant="gold")
+    client.submit_many([f"tin:{i}" for i in range(60)], tenant="tin")
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    wait_for(lambda: len(runner.seen) >= 40, 30)
+    first = _tenants_of(runner.seen[:40])
+    assert 28 <= first.count("gold") <= 32, first
+
+
+def test_strict_priority_between_bands_stays(client: Client, start_worker) -> None:
+    client.submit_many([f"A:{i}" for i in range(10)], tenant="A")
+    client.submit("H:0", priority="high", detach=True, tenant="B")
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    wait_for(lambda: len(runner.seen) >= 11, 30)
+    assert runner.seen[0] == "H:0"
+
+
+def test_the_counters_are_kept_in_zookeeper(client: Client, start_worker, layout) -> None:
+    client.submit_many([f"A:{i}" for i in range(6)], tenant="A", max_new_tokens=10)
+    client.submit_many([f"B:{i}" for i in range(6)], tenant="B", max_new_tokens=10)
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    wait_for(lambda: len(runner.seen) >= 12, 30)
+    stored = {}
+    for tenant in ("A", "B"):
+        data, _ = client.zk.get(layout.tenant_service("default", tenant))
+        stored[tenant] = json.loads(data)["service"]
+    # Each job is charged ceil(3 chars / 4) + 10 tokens while the other tenant waited.
+    assert stored["A"] >= 4 * 11 and stored["B"] >= 4 * 11, stored
+
+
+def test_a_tenant_that_was_idle_banks_no_credit(client: Client, start_worker, layout) -> None:
+    """B's counter is far below A's (B idle, or new): it is lifted to A's level when it joins,
+    so it takes turns with A instead of running all its jobs first."""
+    zk = client.zk
+    client.ensure_queue("default")
+    for tenant, level in (("A", 10_000.0), ("B", 0.0)):
+        path = layout.tenant_service("default", tenant)
+        zk.create(path, json.dumps({"service": level}).encode(), makepath=True)
+    client.submit_many([f"A:{i}" for i in range(20)], tenant="A")
+    client.submit_many([f"B:{i}" for i in range(20)], tenant="B")
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    wait_for(lambda: len(runner.seen) >= 20, 30)
+    assert _tenants_of(runner.seen[:20]).count("A") >= 8, runner.seen[:20]
+
+
+def test_aging_promotes_a_job_that_waited(client: Client, start_worker, layout) -> None:
+    client.ensure_queue("default")
+    Limits(client.zk, layout).set_promote_after("default", 0.5)
+    low = client.submit("L:0", priority="low", detach=True)
+    time.sleep(1.2)  # the low job waits past two promotions (to high) before any worker runs
+    client.submit_many([f"H:{i}" for i in range(10)], priority="high")
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    assert low.result(timeout=20).status == "succeeded"
+    assert runner.seen[0] == "L:0", runner.seen
+
+
+def test_without_aging_a_low_job_waits_for_every_high_one(client: Client, start_worker) -> None:
+    low = client.submit("L:0", priority="low", detach=True)
+    client.submit_many([f"H:{i}" for i in range(5)], priority="high")
+    runner = RecordingRunner()
+    start_worker(runner, slots=1)
+    low.result(timeout=20)
+    assert runner.seen[-1] == "L:0"
+
+
+def test_a_tenants_cap_refuses_more_waiting_jobs(client: Client, layout) -> None:
+    client.ensure_queue("default")
+    Limits(client.zk, layout).set_tenant("default", "small", max_pending=3)
+    client.submit_many(["s"] * 3, tenant="small")
+    with pytest.raises(QueueFull, match="tenant 'small'"):
+        client.submit("one more", tenant="small", detach=True)
+    client.submit("another tenant is not capped", tenant="big", detach=True)
+    client.submit("nor is the default tenant", detach=True)
+
+
+def test_the_cli_submits_for_a_tenant(zkq, client: Client) -> None:
+    out = zkq("submit", "--tenant", "team-a", "--detach", "hello")
+    assert out.returncode == 0, out.stderr
+    assert client.job(out.stdout.strip()).tenant == "team-a"
+    bad = zkq("submit", "--tenant", "no/slash", "--detach", "hello")
+    assert bad.returncode == 2 and "bad tenant name" in bad.stderr
+
+
+def test_a_version_2_root_is_refused_then_migrated(layout: Layout, client: Client) -> None:
+    zk = client.zk
+    client.submit("before", detach=True)
+    zk.set(layout.protocol(), b"2")
+    zk.delete(layout.service("default"))
+    with pytest.raises(ProtocolMismatch, match="zkq migrate"):
+        revision.ensure(zk, layout)
+    migrate(zk, layout)
+    revision.ensure(zk, layout)
+    assert zk.exists(layout.service("default")) is not None
+    assert len(client.list("default")) == 1

@@ -1,0 +1,179 @@
+"""Fair share between tenants inside a priority, and aging across priorities: the order in which
+the head of the line takes the entries of one priority's lanes.
+
+Strict priority between bands stays. Inside a band, the head takes next from the backlogged
+tenant that has received the least weighted service: the *virtual token counter* of Sheng et al.
+(OSDI 2024). A tenant's counter grows by each job's estimated tokens (prompt characters / 4 +
+``max_new_tokens``: what the job may cost, known before it runs) divided by the tenant's weight
+(queue settings, default 1). A tenant that becomes backlogged again is lifted to the level of
+the tenants already backlogged (within two jobs' cost of the highest counter), so idle time banks
+no credit. Jobs of one tenant
+keep their order (its lane is first come, first served).
+
+The counters live in ZooKeeper (``<queue>/service/<tenant>``, JSON ``{"service": V}``, V in
+weighted tokens) and survive worker restarts and a change of head: a head reads a tenant's counter
+the first time it chooses between tenants, keeps it in memory (only the head claims, so only the
+head charges), and writes the counters it changed into each claim multi that chose between
+tenants (no extra round trip). A claim from a band where one tenant alone waits charges its
+counter in memory only: with nobody to share with, its level does not matter until another
+tenant joins, who is lifted to it.
+
+Aging (``promote_after`` in the queue's settings): the first waiting entry of a lane that has
+waited ``promote_after`` seconds is taken as if it were one priority up, two after twice that, and
+so on; among those promoted into a band, the oldest first, ahead of the band's own entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from zkqueue.protocol.layout import EntryName, Layout
+from zkqueue.protocol.spec import JobSpec
+
+log = logging.getLogger("zkq.share")
+
+#: How many jobs' weighted cost a backlogged tenant's counter may lag the highest before it is
+#: lifted (``FairShare.observe``).
+SLACK = 2.0
+#: Characters per prompt token in the estimate (the gateway's rate limits use the same rule).
+CHARS_PER_TOKEN = 4
+
+
+def estimate(spec: JobSpec) -> int:
+    """The tokens a job may cost, known before it runs: its prompt's characters / 4 (or its
+    messages') plus ``max_new_tokens``."""
+    if spec.messages:
+        chars = sum(len(str(m.get("content", ""))) for m in spec.messages)
+    else:
+        chars = len(spec.prompt or "")
+    return math.ceil(chars / CHARS_PER_TOKEN) + spec.max_new_tokens
+
+
+@dataclass
+class FairShare:
+    """The head's copy of one queue's service counters."""
+
+    zk: KazooClient
+    layout: Layout
+    queue: str
+    #: A tenant's weight (the queue's settings).
+    weight: Callable[[str], float] = lambda _tenant: 1.0
+    #: Virtual service per tenant (weighted tokens), as this head knows it.
+    service: dict[str, float] = field(default_factory=dict)
+    #: Tenants whose counter changed since it was last written.
+    unsaved: set[str] = field(default_factory=set)
+    #: The tenants backlogged in each band at the last look.
+    backlogged: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: A tenant's average estimated cost per job, from the jobs this head claimed (the order of
+    #: a turn's candidates charges each with it before their specs are read).
+    cost: dict[str, float] = field(default_factory=dict)
+    #: Tenants whose counter node exists.
+    stored: set[str] = field(default_factory=set)
+
+    def forget(self) -> None:
+        """This worker stopped being head (or lost its session): read the counters again."""
+        self.service.clear()
+        self.unsaved.clear()
+        self.backlogged.clear()
+        self.stored.clear()
+
+    def load(self, tenants: Iterable[str]) -> None:
+        """Read the counters of tenants this head has not read yet (pipelined, once each)."""
+        missing = [t for t in tenants if t not in self.service]
+        calls = [(t, self.zk.get_async(self.layout.tenant_service(self.queue, t))) for t in missing]
+        for tenant, call in calls:
+            try:
+                data, _ = call.get()
+            except NoNodeError:
+                data = None
+            else:
+                self.stored.add(tenant)
+            try:
+                value = float(json.loads(data or b"{}").get("service", 0.0))
+            except (ValueError, TypeError, AttributeError):
+                value = 0.0
+            self.service[tenant] = value if math.isfinite(value) and value >= 0 else 0.0
+
+    def observe(self, priority: str, tenants: frozenset[str]) -> None:
+        """The tenants backlogged in ``priority`` now. Any of them whose counter lies more than
+        ``SLACK`` jobs' cost below the highest is lifted to that level: a tenant that kept
+        waiting stays within a job or two of the others (the virtual token counter's bound),
+        so only one that was idle (or is new) is that far behind, and it banks no credit for
+        the time it waited for nothing. Stateless: a new head lifts by the same rule."""
+        self.backlogged[priority] = tenants
+        if len(tenants) < 2:
+            return
+        self.load(tenants)
+        top = max(self.service[t] for t in tenants)
+        step = max(self.cost.get(t, 1.0) / self.weight(t) for t in tenants)
+        floor = top - SLACK * step
+        for tenant in tenants:
+            if self.service[tenant] < floor:
+                self.service[tenant] = floor
+                self.unsaved.add(tenant)
+
+    def contended(self, priority: str) -> bool:
+        """Whether the head chose between tenants in ``priority`` at the last look."""
+        return len(self.backlogged.get(priority, ())) > 1
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """A job of ``tenant`` was claimed: its estimated tokens, weighted."""
+        self.service[tenant] = self.service.get(tenant, 0.0) + tokens / self.weight(tenant)
+        self.unsaved.add(tenant)
+        old = self.cost.get(tenant)
+        self.cost[tenant] = tokens if old is None else 0.8 * old + 0.2 * tokens
+
+    def writes(self, tenants: Iterable[str]) -> list[tuple[str, bytes]]:
+        """The (path, data) writes of the counters of ``tenants`` that changed, for a claim
+        multi (their nodes are created first where missing; call ``saved`` once it committed)."""
+        written = sorted(set(tenants) & self.unsaved)
+        self.ensure_nodes(written)
+        return [
+            (
+                self.layout.tenant_service(self.queue, t),
+                json.dumps({"service": round(self.service[t], 3)}).encode(),
+            )
+            for t in written
+        ]
+
+    def saved(self, tenants: Iterable[str]) -> None:
+        self.unsaved.difference_update(tenants)
+
+    def ensure_nodes(self, tenants: Iterable[str]) -> None:
+        """Create the counter nodes of tenants that have none (once each, before a multi first
+        writes them)."""
+        for tenant in set(tenants) - self.stored:
+            path = self.layout.tenant_service(self.queue, tenant)
+            with contextlib.suppress(NodeExistsError):
+                self.zk.create(path, json.dumps({"service": 0.0}).encode(), makepath=True)
+            self.stored.add(tenant)
+
+    def merge(self, lanes: list[tuple[str, Iterator[EntryName]]]) -> Iterator[EntryName]:
+        """The entries of several tenants' lanes of one band, in fair-share order: each next
+        from the tenant with the least virtual service, charged its average cost as it goes
+        (a simulation: only ``charge`` changes the counters). Ties go to the lane listed first."""
+        virtual = {t: self.service.get(t, 0.0) for t, _ in lanes}
+        heads: dict[str, EntryName] = {}
+        order = [t for t, _ in lanes]
+        iters = dict(lanes)
+        for tenant in order:
+            first = next(iters[tenant], None)
+            if first is not None:
+                heads[tenant] = first
+        while heads:
+            tenant = min(heads, key=lambda t: (virtual[t], order.index(t)))
+            yield heads[tenant]
+            virtual[tenant] += self.cost.get(tenant, 1.0) / self.weight(tenant)
+            following = next(iters[tenant], None)
+            if following is None:
+                del heads[tenant]
+            else:
+                heads[tenant] = following
