@@ -43,9 +43,10 @@ from gateway.ratelimits import RateLimits
 from gateway.sse import ClientGone, EventStream, until_hangup
 from gateway.sse import sse as _sse
 from zkqueue import defaults
-from zkqueue.errors import ZkqConnectionError, ZkqError
+from zkqueue.errors import InvalidJob, ZkqConnectionError, ZkqError
 from zkqueue.producer.aio import AsyncClient, AsyncJob
 from zkqueue.producer.client import Client
+from zkqueue.protocol.layout import DEFAULT_TENANT, check_tenant
 
 log = logging.getLogger("zkq.gateway")
 _SHUTDOWN = "the gateway is shutting down and its drain timeout passed first; the job was withdrawn"
@@ -115,12 +116,14 @@ class Gateway:
             # Rate limits last: a request refused for any other reason takes nothing.
             cost = ratelimits.estimate(job_request.text, job_request.max_tokens)
             grant = self.limits.admit(key, cost)
-            job = await self._submit(job_request, queue, priority, key)
+            tenant = self._tenant(request, key, job_request.user)
+            job = await self._submit(job_request, queue, priority, key, tenant)
         except BaseException:
             release()
             self.limits.refund(grant)
             raise
         headers = {"X-Zkq-Job": job.id, "X-Zkq-Queue": queue, "X-Zkq-Priority": priority}
+        headers["X-Zkq-Tenant"] = tenant or DEFAULT_TENANT
         headers.update(self.limits.headers(key))
         self.metrics.open.inc()
 
@@ -159,7 +162,12 @@ class Gateway:
         return JSONResponse(body, headers=headers)
 
     async def _submit(
-        self, request: fmt.JobRequest, queue: str, priority: str, key: ApiKey | None
+        self,
+        request: fmt.JobRequest,
+        queue: str,
+        priority: str,
+        key: ApiKey | None,
+        tenant: str | None = None,
     ) -> AsyncJob:
         try:
             if not self.client.connected:
@@ -174,7 +182,7 @@ class Gateway:
                         f"submit while fewer than {key.max_pending} wait",
                     )
             return await self.client.submit(
-                request.prompt, priority=priority, queue=queue, **request.job_args()
+                request.prompt, priority=priority, queue=queue, tenant=tenant, **request.job_args()
             )
         except ZkqError as exc:
             raise from_zkq(exc, self.config.retry_after) from None
@@ -238,6 +246,24 @@ class Gateway:
             message = f"key {key.name!r} may not submit above priority {key.max_priority!r}"
             raise ApiError(403, message, PERMISSION, "priority_not_allowed")
         return priority
+
+    def _tenant(self, request: Request, key: ApiKey | None, user: str | None) -> str | None:
+        """The tenant of the request's job: the key's, or where the key allows it the one
+        X-Zkq-Tenant names, else OpenAI's ``user`` field. Without keys configured only the
+        header names one (``user`` is often an end user's id: a lane each would be too many)."""
+        own = key.tenant if key is not None else None
+        if key is not None and not key.tenant_override:
+            return own
+        asked = request.headers.get("x-zkq-tenant")
+        if asked is None and key is None:
+            return None
+        name, field = (asked, "X-Zkq-Tenant") if asked is not None else (user, "user")
+        if name is None:
+            return own
+        try:
+            return check_tenant(name.strip())
+        except InvalidJob as exc:
+            raise invalid(str(exc), field) from None
 
     def _timeout(self, request: Request) -> float:
         """Seconds to wait for the job: X-Zkq-Timeout, at most the configured timeout."""

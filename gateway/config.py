@@ -17,6 +17,8 @@ max_pending = 100      # refuse (429) while its queue has this many jobs waiting
 max_in_flight = 20     # refuse (429) beyond this many open requests on one gateway process
 requests_per_minute = 600   # rate limits, per gateway process (429 with Retry-After beyond;
 tokens_per_minute = 200000  # tokens: prompt and completion; see gateway/ratelimits.py)
+tenant = "team-a"      # the tenant its jobs belong to (fair share; default: the default tenant)
+tenant_override = false  # true: a request may name its tenant with X-Zkq-Tenant or "user"
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
-from zkqueue.protocol.layout import check_priority, check_queue
+from zkqueue.protocol.layout import check_priority, check_queue, check_tenant
 
 #: Seconds a request waits for its job when neither the config nor the request says.
 TIMEOUT = 600.0
@@ -47,6 +49,10 @@ class ApiKey:
     max_in_flight: int | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    #: The tenant its jobs belong to (None: the default tenant).
+    tenant: str | None = None
+    #: Whether a request may name its own tenant (X-Zkq-Tenant, else OpenAI's ``user``).
+    tenant_override: bool = False
 
     def allows(self, priority: str) -> bool:
         """Whether this key may submit at ``priority`` (not above its max_priority)."""
@@ -110,11 +116,21 @@ def parse(raw: dict[str, Any]) -> GatewayConfig:
 
 def _key(index: int, raw: dict[str, Any]) -> ApiKey:
     where = f"[[keys]] #{index + 1}"
-    _only(raw, {"key", "name", "priority", "max_priority", *_LIMITS}, where)
+    _only(
+        raw,
+        {"key", "name", "priority", "max_priority", "tenant", "tenant_override", *_LIMITS},
+        where,
+    )
     secret = raw.get("key")
     if not isinstance(secret, str) or len(secret) < 8:
         raise ValueError(f"{where}: key must be a string of at least 8 characters")
     priority = check_priority(raw.get("priority", defaults.PRIORITY))
+    tenant = raw.get("tenant")
+    if tenant is not None:
+        check_tenant(tenant) if isinstance(tenant, str) else check_tenant(repr(tenant))
+    override = raw.get("tenant_override", False)
+    if not isinstance(override, bool):
+        raise ValueError(f"{where}: tenant_override must be true or false")
     limits = {n: raw.get(n) for n in _LIMITS}
     for name, value in limits.items():
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -124,6 +140,8 @@ def _key(index: int, raw: dict[str, Any]) -> ApiKey:
         name=str(raw.get("name", f"key-{index + 1}")),
         priority=priority,
         max_priority=check_priority(raw.get("max_priority", priority)),
+        tenant=tenant,
+        tenant_override=override,
         **limits,
     )
 

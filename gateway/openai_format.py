@@ -86,6 +86,8 @@ class JobRequest:
     names_tier: bool = False
     #: That tier (set by the gateway once it has chosen the priority).
     tier: str | None = None
+    #: OpenAI's ``user`` (an end user's id): the tenant where the key lets callers name one.
+    user: str | None = None
 
     @property
     def text(self) -> str:
@@ -126,6 +128,7 @@ def parse(kind: str, body: Any, default_max_tokens: int) -> JobRequest:
         include_usage=_include_usage(body.get("stream_options"), stream),
         asked_priority=_asked_priority(body),
         names_tier=body.get("service_tier") is not None,
+        user=body["user"] if isinstance(body.get("user"), str) and body["user"] else None,
     )
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import pytest
 
+from gateway.config import ApiKey, GatewayConfig
 from tests.conftest import wait_for
 from tests.runners import RecordingRunner
+from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.errors import ProtocolMismatch, QueueFull
 from zkqueue.protocol import revision
@@ -148,3 +151,28 @@ def test_a_version_2_root_is_refused_then_migrated(layout: Layout, client: Clien
     revision.ensure(zk, layout)
     assert zk.exists(layout.service("default")) is not None
     assert len(client.list("default")) == 1
+
+
+def test_the_gateway_submits_for_the_keys_tenant(served) -> None:
+    fixed = ApiKey(key="sk-team-a-0", name="a", tenant="team-a")
+    open_key = ApiKey(key="sk-broker-0", name="broker", tenant="broker", tenant_override=True)
+    gw = served(EchoRunner(delay=0.0), GatewayConfig(keys=(fixed, open_key)))
+    body = {"model": "default", "prompt": "hi", "max_tokens": 4}
+
+    def tenant_of(secret: str, headers: dict[str, str] | None = None, **extra: str) -> str:
+        auth = {"Authorization": f"Bearer {secret}", **(headers or {})}
+        answer = httpx.post(f"{gw.url}/v1/completions", json={**body, **extra}, headers=auth)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-zkq-tenant"]
+
+    assert tenant_of("sk-team-a-0") == "team-a"
+    assert tenant_of("sk-team-a-0", {"X-Zkq-Tenant": "other"}, user="u1") == "team-a"
+    assert tenant_of("sk-broker-0") == "broker"
+    assert tenant_of("sk-broker-0", {"X-Zkq-Tenant": "shop-1"}) == "shop-1"
+    assert tenant_of("sk-broker-0", user="shop-2") == "shop-2"
+    bad = httpx.post(
+        f"{gw.url}/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer sk-broker-0", "X-Zkq-Tenant": "a/b"},
+    )
+    assert bad.status_code == 400 and "bad tenant name" in bad.json()["error"]["message"]

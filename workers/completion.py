@@ -176,7 +176,9 @@ class Completer:
             submitted_at=claim.submitted_at,
             started_at=claim.claimed_at,
             finished_at=finished,
-            extra=_with_preemptions(outcome.extra, claim.spec.preemptions),
+            extra=_with_tenant(
+                _with_preemptions(outcome.extra, claim.spec.preemptions), claim.entry.tenant
+            ),
         )
 
     def _account(self, job: RunningJob, outcome: Outcome, ok: bool, finished: float) -> None:
@@ -232,6 +234,11 @@ class Completer:
     def _done(self, job: RunningJob) -> None:
         self.admission.release(job.pages)
         self.forget(job)
+
+
+def _with_tenant(extra: dict[str, Any], tenant: str) -> dict[str, Any]:
+    """The record's ``tenant``, for a job of any tenant but the default one."""
+    return {**extra, "tenant": tenant} if tenant else extra
 
 
 def _with_preemptions(extra: dict[str, Any], preemptions: int) -> dict[str, Any]:

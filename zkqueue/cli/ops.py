@@ -15,7 +15,7 @@ from zkqueue.cli.common import (
     open_client,
     require_queue,
 )
-from zkqueue.protocol.layout import check_job_id, check_queue
+from zkqueue.protocol.layout import DEFAULT_TENANT, check_job_id, check_queue
 
 
 @click.command()
@@ -43,6 +43,12 @@ def stats(ctx: click.Context, as_json: bool) -> None:
             f"{name}: waiting={q['pending']} running={q['running']} {limits}  ({depth})  "
             f"idle_workers={q['idle_workers']} results={q['results']} dead={q['dead']}"
         )
+        tenants = q.get("tenants") or {}
+        for tenant, t in tenants.items() if set(tenants) - {DEFAULT_TENANT} else ():
+            held = " ".join(f"{p}={n}" for p, n in t["depth"].items())
+            cap = f" max_pending={t['max_pending']}" if t.get("max_pending") else ""
+            service = f" service={t['service']:.0f}" if t.get("service") is not None else ""
+            click.echo(f"  tenant {tenant}: ({held}) weight={t['weight']:g}{cap}{service}")
     click.echo(f"workers: {data['workers']}")
 
 

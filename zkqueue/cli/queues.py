@@ -1,5 +1,6 @@
 """Queue commands: ``queues`` (every queue with its workers, limits and depth), ``queue create``,
-``queue delete`` and ``queue-limit`` (show, set or remove an existing queue's limits)."""
+``queue delete``, ``queue tenant`` (a tenant's weight and cap) and ``queue-limit`` (show, set or
+remove an existing queue's limits and aging)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 
 import click
 
-from zkqueue.cli.common import checked, emit, handles_errors, open_client, require_queue
-from zkqueue.protocol.layout import check_queue
-from zkqueue.protocol.limits import LIMITS, MAX_LIMIT, QueueSettings
+from zkqueue.cli.common import SECONDS, checked, emit, handles_errors, open_client, require_queue
+from zkqueue.producer.client import Client
+from zkqueue.protocol.layout import check_queue, check_tenant
+from zkqueue.protocol.limits import LIMITS, MAX_LIMIT, MAX_WEIGHT, QueueSettings
 
 _NONE = ("none", "unlimited")
 
@@ -41,7 +43,43 @@ LIMIT = _Limit()
 def _limits_text(settings: QueueSettings | dict[str, Any]) -> str:
     get = settings.get if isinstance(settings, dict) else lambda k: getattr(settings, k)
     parts = [f"{k.replace('_', ' ')} {get(k) or 'unlimited'}" for k in LIMITS]
+    if get("promote_after"):
+        parts.append(f"promote after {get('promote_after'):g}s")
+    tenants = get("tenants") or {}
+    for name, tenant in sorted(tenants.items()):
+        raw = tenant if isinstance(tenant, dict) else tenant.to_dict()
+        cap = f", max pending {raw['max_pending']}" if raw.get("max_pending") else ""
+        parts.append(f"tenant {name}: weight {raw.get('weight', 1):g}{cap}")
     return ", ".join(parts)
+
+
+class _Seconds(click.ParamType):
+    """Seconds (more than 0), or ``none`` to turn the setting off."""
+
+    name = "SECONDS|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None or isinstance(value, float):
+            return value
+        if str(value).lower() in _NONE:
+            return "none"
+        return SECONDS.convert(value, param, ctx)
+
+
+_PROMOTE_AFTER = click.option(
+    "--promote-after",
+    type=_Seconds(),
+    default=None,
+    help="Aging: a job that waited SECONDS is dispatched a priority up (two after twice that); "
+    "'none' turns it off.",
+)
+
+
+def _set_promote(client: Client, name: str, promote_after: float | str | None) -> None:
+    if promote_after is not None:
+        seconds = None if promote_after == "none" else float(promote_after)
+        with client.mapped():
+            client.limits.set_promote_after(name, seconds)
 
 
 @click.command()
@@ -99,10 +137,15 @@ _MAX_RUNNING = click.option(
 @click.argument("name", callback=checked(check_queue))
 @_MAX_PENDING
 @_MAX_RUNNING
+@_PROMOTE_AFTER
 @click.pass_context
 @handles_errors
 def create(
-    ctx: click.Context, name: str, max_pending: int | str | None, max_running: int | str | None
+    ctx: click.Context,
+    name: str,
+    max_pending: int | str | None,
+    max_running: int | str | None,
+    promote_after: float | str | None,
 ) -> None:
     """Create queue NAME, with limits if given. A queue that exists keeps its jobs, and of its
     limits only those given change. Workers and producers also create the queues they use.
@@ -110,16 +153,18 @@ def create(
     \b
     Example:
       zkq queue create llama --max-pending 1000 --max-running 8
+      zkq queue create batch --promote-after 300
     """
     changes = _changes(False, max_pending, max_running)
     with open_client(ctx) as client:
         existed = name in client.queue_names()
+        with client.mapped():
+            client.ensure_queue(name)
         if changes:
-            settings = client.set_limits(name, **changes)
-        else:
-            with client.mapped():
-                client.ensure_queue(name)
-                settings = client.limits.settings(name)
+            client.set_limits(name, **changes)
+        _set_promote(client, name, promote_after)
+        with client.mapped():
+            settings = client.limits.settings(name)
     done = f"queue {name} exists" if existed else f"created queue {name}"
     click.echo(f"{done}: {_limits_text(settings)}")
 
@@ -153,6 +198,7 @@ def delete(ctx: click.Context, name: str, force: bool) -> None:
 @click.argument("clear", metavar="[none]", required=False, type=click.Choice(_NONE))
 @_MAX_PENDING
 @_MAX_RUNNING
+@_PROMOTE_AFTER
 @click.pass_context
 @handles_errors
 def queue_limit(
@@ -161,6 +207,7 @@ def queue_limit(
     clear: str | None,
     max_pending: int | str | None,
     max_running: int | str | None,
+    promote_after: float | str | None,
 ) -> None:
     """Show QUEUE's limits, set them, or remove them all with 'none'. Beyond max pending, submit
     fails fast (exit 5); beyond max running, jobs wait for a running one to end. The queue must
@@ -172,15 +219,63 @@ def queue_limit(
       zkq queue-limit llama --max-pending 1000 --max-running 8
       zkq queue-limit llama --max-running none    # remove one
       zkq queue-limit llama none                  # remove both
+      zkq queue-limit llama --promote-after 120   # aging on (none: off)
     """
     changes = _changes(clear is not None, max_pending, max_running)
     with open_client(ctx) as client:
         require_queue(client, name)  # a misspelt name must not make a queue nobody serves
         if changes:
-            settings = client.set_limits(name, **changes)
-        else:
-            with client.mapped():
-                settings = client.limits.settings(name)
+            client.set_limits(name, **changes)
+        _set_promote(client, name, promote_after)
+        with client.mapped():
+            settings = client.limits.settings(name)
+    click.echo(f"{name}: {_limits_text(settings)}")
+
+
+@queue.command("tenant")
+@click.argument("name", metavar="QUEUE", callback=checked(check_queue))
+@click.argument("tenant", callback=checked(check_tenant))
+@click.option(
+    "--weight",
+    type=click.FloatRange(0, MAX_WEIGHT, min_open=True),
+    default=None,
+    help="The tenant's share of service inside a priority, against others' (default 1).",
+)
+@_MAX_PENDING
+@click.option("--remove", is_flag=True, help="Forget the tenant's settings (weight 1, no cap).")
+@click.pass_context
+@handles_errors
+def tenant(
+    ctx: click.Context,
+    name: str,
+    tenant: str,
+    weight: float | None,
+    max_pending: int | str | None,
+    remove: bool,
+) -> None:
+    """Set TENANT's fair-share weight and its own cap of waiting jobs in QUEUE. Inside a
+    priority, the workers serve backlogged tenants in proportion to their weights (counted in
+    tokens); a tenant at its cap is refused more jobs (exit 5). The queue must exist (exit 3).
+
+    
+    Examples:
+      zkq queue tenant llama team-a --weight 3
+      zkq queue tenant llama backfill --max-pending 2000
+      zkq queue tenant llama backfill --max-pending none
+    """
+    if remove and (weight is not None or max_pending is not None):
+        raise click.UsageError("give --remove alone, or --weight/--max-pending")
+    with open_client(ctx) as client:
+        require_queue(client, name)
+        with client.mapped():
+            limits = client.limits
+            if max_pending == "none":  # remove the cap, keep the weight
+                kept = limits.settings(name).tenant(tenant).weight
+                limits.set_tenant(name, tenant, remove=True)
+                settings = limits.set_tenant(name, tenant, weight=weight or kept)
+            else:
+                cap = None if max_pending is None else int(max_pending)
+                settings = limits.set_tenant(name, tenant, weight, cap, remove=remove)
     click.echo(f"{name}: {_limits_text(settings)}")
 
 

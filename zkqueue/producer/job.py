@@ -18,6 +18,7 @@ from zkqueue.plumbing.watches import forget_data_watch, remove_data_watch
 from zkqueue.producer.direct import StreamReading, ThreadTap
 from zkqueue.protocol import claims, counts
 from zkqueue.protocol.jobpaths import PENDING, RUNNING, WITHDRAWN, JobPaths
+from zkqueue.protocol.layout import DEFAULT_TENANT
 from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.result import Result
 
@@ -370,6 +371,7 @@ class Job(JobPaths):
             "id": self.id,
             "queue": self.queue,
             "priority": self.priority,
+            "tenant": self.tenant or DEFAULT_TENANT,
             "attempts": stat.version,
             "submitted_at": stat.ctime / 1000,
         }
@@ -399,6 +401,7 @@ class Job(JobPaths):
             "id": self.id,
             "queue": self.queue,
             "priority": self.priority,
+            "tenant": self.tenant or DEFAULT_TENANT,
             "state": record.status,
             "attempts": record.attempts,
             "worker": record.worker,
@@ -466,7 +469,14 @@ def finished(client: Owner, queue: str, ids: set[str]) -> dict[str, Job]:
     for jid, call in calls.items():
         with contextlib.suppress(NoNodeError):
             record = Result.from_bytes(call.get()[0], f"result of job {jid} in queue {queue!r}")
-            found[jid] = Job(client, jid, queue, record.priority)
+            tenant = record.get("tenant")
+            found[jid] = Job(
+                client,
+                jid,
+                queue,
+                record.priority,
+                tenant=tenant if isinstance(tenant, str) else None,
+            )
     return found
 
 

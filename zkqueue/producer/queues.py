@@ -4,6 +4,7 @@ queue with the workers serving it, and deleting a queue."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -31,7 +32,9 @@ def queue_stats(zk: KazooClient, layout: Layout, queue: str) -> dict[str, Any]:
         "dead": zk.exists_async(layout.dead(queue)),
     }
     settings_call = zk.get_async(layout.queue(queue))
-    depth = counts.depth(zk, layout, queue)
+    service_call = zk.get_children_async(layout.service(queue))
+    per_lane = counts.bucket_counts(zk, layout, queue)
+    depth = counts.by_priority(per_lane)
     found = {k: (s.numChildren if (s := c.get()) else 0) for k, c in calls.items()}
     found["results"] = counts.results(zk, layout, queue)
     waiting = counts.not_started(depth, found["running"])
@@ -46,7 +49,39 @@ def queue_stats(zk: KazooClient, layout: Layout, queue: str) -> dict[str, Any]:
         **found,
         "max_pending": settings.max_pending,
         "max_running": settings.max_running,
+        "promote_after": settings.promote_after,
+        "tenants": _tenants(zk, layout, queue, per_lane, settings, service_call),
     }
+
+
+def _tenants(
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    per_lane: dict[str, list[tuple[int, int]]],
+    settings: QueueSettings,
+    service_call: Any,
+) -> dict[str, dict[str, Any]]:
+    """Per tenant with a lane, a counter or settings: its depth per priority (running jobs
+    included), its weight and cap, and its service counter (weighted tokens; fair share)."""
+    try:
+        counted = list(service_call.get())
+    except NoNodeError:
+        counted = []
+    calls = {t: zk.get_async(layout.tenant_service(queue, t)) for t in counted}
+    tenants: dict[str, dict[str, Any]] = {}
+    for (priority, tenant), n in counts.by_tenant(per_lane).items():
+        row = tenants.setdefault(tenant, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
+        row["depth"][priority] += n
+    for name in {*tenants, *calls, *settings.tenants}:
+        row = tenants.setdefault(name, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
+        row.update(settings.tenant(name).to_dict())
+        row.setdefault("max_pending", None)
+        row["service"] = None
+        if name in calls:
+            with contextlib.suppress(NoNodeError, ValueError, TypeError, AttributeError):
+                row["service"] = float(json.loads(calls[name].get()[0] or b"{}")["service"])
+    return dict(sorted(tenants.items()))
 
 
 def queue_table(
@@ -111,13 +146,15 @@ def delete_queue(zk: KazooClient, layout: Layout, queue: str, *, force: bool) ->
     try:
         _delete_tree(zk, layout.queue_dirs(queue)[-1], queue)  # it may hold results
         for priority in defaults.PRIORITIES:
-            _delete_priority(zk, layout.pending(queue, priority), force, queue)
+            for path in counts.lanes(zk, layout, queue, priority)[::-1]:  # tenants' first
+                _delete_priority(zk, layout.pending(queue, path), force, queue)
         for directory in (
             layout.claims,
             layout.line,
             layout.busy,
             layout.expiry,
             layout.dead,
+            layout.service,
             layout.results,
         ):
             _delete_tree(zk, directory(queue), queue)
