@@ -70,11 +70,11 @@ def test_reads_before_the_create_are_repeated_after_a_lost_connection(
     real = client.limits.check_room
     calls: list[str] = []
 
-    def flaky(queue: str, adding: int = 1) -> None:
+    def flaky(queue: str, adding: int = 1, tenant: str | None = None) -> None:
         calls.append(queue)
         if len(calls) == 1:
             raise lost()
-        real(queue, adding)
+        real(queue, adding, tenant=tenant)
 
     monkeypatch.setattr(client.limits, "check_room", flaky)
     job = client.submit("after the outage", detach=True)

@@ -1,0 +1,336 @@
+"""Tenants: fair share inside a priority, weights, tokens, no banked credit, durability across a
+SIGKILL of the head, strict priority between bands, and aging.
+
+    .venv/bin/python -m scripts.bench.tenants [SCENARIO ...] [--idle 60] [--json FILE]
+
+Scenarios (all by default): ``fairness``, ``weights``, ``durable``, ``tokens``, ``credit``,
+``aging``. Each starts its own ZooKeeper root and ``zkq worker`` processes (echo runner, or the
+tiny model for ``tokens``), submits detached jobs with ``zkq``'s Python client, and measures from
+the result records (``started_at``, ``finished_at``, ``tenant``, ``output_tokens``), which
+workers write as each job ends.
+
+- fairness: 4 workers x 4 slots (echo, 50 ms a job). Tenant A queues 2,000 normal jobs; tenant B
+  40, a second later. Reported: how many of A's jobs finished between B's submission and B's last
+  finish (target: at most 60).
+- weights: tenants gold (weight 3) and tin (1) queue 800 jobs each (4 x 4, echo 50 ms); the
+  first 800 jobs claimed are counted per tenant (target: gold/tin between 2.7 and 3.3). A high
+  job of a third tenant is submitted mid-run: no normal job not yet started when it was submitted
+  may start before it.
+- durable: weights again, and once a third of the jobs ended the worker whose line node is
+  first (the head) is killed with SIGKILL; the ratio over the whole run (target as above).
+- tokens: the tiny model (one worker, 8 slots). Tenant A's jobs ask for 64 tokens, B's for 8
+  (``ignore_eos``: exactly that many); both queued deep. Tokens of the jobs started while both
+  still waited, A:B (target: 0.8 to 1.25).
+- credit: 4 x 4 (echo 500 ms a job). A and B both queue; B's run out; A is served alone for
+  ``--idle`` seconds (60); then B queues 200 jobs. A's share of the jobs started from then until
+  B's last start (target: at least 40%).
+- aging: one worker x 4 slots (echo 500 ms), ``promote_after`` 5 s, a producer keeping 20 high
+  jobs waiting; a low job is submitted into that: seconds from its submission to its start
+  (target: at most 15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from scripts.bench.core import ZKQ_CLI, child_env, report, stop_processes, wait_until
+from zkqueue import Client
+from zkqueue.protocol.limits import Limits
+from zkqueue.testing import ZkCluster
+
+QUEUE = "bench"
+SCENARIOS = ("fairness", "weights", "durable", "tokens", "credit", "aging")
+
+
+class Stage:
+    """One scenario's root, client and worker processes."""
+
+    def __init__(self, cluster: ZkCluster, name: str, folder: Path) -> None:
+        self.hosts = cluster.hosts
+        self.root = f"/bench-tenants-{name}-{int(time.time() * 1000)}"
+        self.client = Client(self.hosts, self.root).start()
+        self.client.ensure_queue(QUEUE)
+        self.folder = folder
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, count: int, *args: str) -> None:
+        for _ in range(count):
+            log = open(self.folder / f"worker-{len(self.workers)}.log", "wb")  # noqa: SIM115
+            cmd = [*ZKQ_CLI, "--zk", self.hosts, "--root", self.root, "--session-timeout", "3"]
+            cmd += ["worker", "--queue", QUEUE, *args]
+            self.workers.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+            )
+        if not wait_until(lambda: len(self.client.workers()) >= len(self.workers), 120, 0.2):
+            raise SystemExit("the workers did not register")
+
+    def records(self, ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The result records there are of ``ids`` (pipelined reads)."""
+        zk, layout = self.client.zk, self.client.layout
+        found = {}
+        for start in range(0, len(ids), 1000):
+            calls = [(i, zk.get_async(layout.result(QUEUE, i))) for i in ids[start : start + 1000]]
+            for job_id, call in calls:
+                try:
+                    found[job_id] = json.loads(call.get()[0])
+                except Exception:  # no result yet
+                    continue
+        return found
+
+    def finished(self, ids: list[str]) -> int:
+        return len(self.records(ids))
+
+    def close(self) -> None:
+        stop_processes(self.workers, 15)
+        self.client.close()
+
+
+@contextmanager
+def staged(cluster: ZkCluster, name: str) -> Iterator[Stage]:
+    with tempfile.TemporaryDirectory(prefix=f"zkq-tenants-{name}-") as tmp:
+        stage = Stage(cluster, name, Path(tmp))
+        try:
+            yield stage
+        finally:
+            stage.close()
+
+
+def _echo(slots: int, delay: float) -> tuple[str, ...]:
+    return ("--runner", "echo", "--echo-delay", str(delay), "--max-concurrency", str(slots))
+
+
+def _submit(stage: Stage, tenant: str, n: int, **kwargs: Any) -> list[str]:
+    jobs = stage.client.submit_many(
+        [f"{tenant}:{i}" for i in range(n)], queue=QUEUE, tenant=tenant, **kwargs
+    )
+    return [j.id for j in jobs]
+
+
+def fairness(cluster: ZkCluster) -> dict[str, Any]:
+    with staged(cluster, "fair") as stage:
+        stage.spawn(4, *_echo(4, 0.05))
+        a = _submit(stage, "A", 2000)
+        time.sleep(1.0)
+        b_at = time.time()
+        b = _submit(stage, "B", 40)
+        if not wait_until(lambda: stage.finished(b) >= 40, 300, 0.2):
+            raise SystemExit("B's jobs did not finish")
+        b_records = stage.records(b)
+        b_last = max(r["finished_at"] for r in b_records.values())
+        a_records = stage.records(a)
+        between = sum(1 for r in a_records.values() if b_at < r["finished_at"] <= b_last)
+        return {
+            "a_jobs_finished_while_b_ran": between,
+            "b_seconds": round(b_last - b_at, 2),
+            "a_finished_before_b": sum(1 for r in a_records.values() if r["finished_at"] <= b_at),
+            "target": "<= 60",
+            "met": between <= 60,
+        }
+
+
+def _weighted(cluster: ZkCluster, kill_head: bool) -> dict[str, Any]:
+    with staged(cluster, "durable" if kill_head else "weights") as stage:
+        Limits(stage.client.zk, stage.client.layout).set_tenant(QUEUE, "gold", weight=3)
+        gold = _submit(stage, "gold", 800)
+        tin = _submit(stage, "tin", 800)
+        stage.spawn(4, *_echo(4, 0.05))
+        everyone = gold + tin
+        high_id = None
+        high_at = 0.0
+        killed = None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            done = stage.finished(everyone)
+            if high_id is None and done >= 300:
+                high_at = time.time()
+                high_id = stage.client.submit(
+                    "urgent", priority="high", queue=QUEUE, tenant="ops", detach=True
+                ).id
+            if kill_head and killed is None and done >= 1600 // 3:
+                killed = _kill_head(stage)
+            if done >= 1000:
+                break
+            time.sleep(0.2)
+        records = stage.records(everyone)
+        claimed = sorted(records.values(), key=lambda r: r["started_at"])[:800]
+        g = sum(1 for r in claimed if r.get("tenant") == "gold")
+        t = sum(1 for r in claimed if r.get("tenant") == "tin")
+        ratio = g / t if t else float("inf")
+        out: dict[str, Any] = {
+            "first_800_claimed": {"gold": g, "tin": t},
+            "ratio": round(ratio, 3),
+            "target": "2.7 to 3.3",
+            "met": 2.7 <= ratio <= 3.3,
+        }
+        if kill_head:
+            _drain(stage, everyone)
+            out["killed"] = killed
+            out["not_finished"] = len(everyone) - stage.finished(everyone)
+        if high_id is not None:
+            wait_until(lambda: stage.finished([high_id]), 60, 0.1)
+            high = stage.records([high_id]).get(high_id)
+            if high is not None:
+                overtaken = [
+                    r
+                    for r in records.values()
+                    if high_at < r["started_at"] < high["started_at"]
+                    and r["submitted_at"] < high_at
+                ]
+                out["high_job"] = {
+                    "start_after_submit_s": round(high["started_at"] - high_at, 3),
+                    "normal_jobs_started_before_it": len(overtaken),
+                    "met": not overtaken,
+                }
+        return out
+
+
+def _drain(stage: Stage, ids: list[str]) -> bool:
+    """Every job of ``ids`` ended (the killed worker's jobs run again elsewhere)."""
+    return wait_until(lambda: stage.finished(ids) >= len(ids), 180, 0.5)
+
+
+def _kill_head(stage: Stage) -> dict[str, Any] | None:
+    """SIGKILL the worker whose node is first in the queue's line (the head)."""
+    zk, layout = stage.client.zk, stage.client.layout
+    names = sorted(zk.get_children(layout.line(QUEUE)), key=lambda n: int(n.rsplit("-", 1)[1]))
+    if not names:
+        return None
+    worker = zk.get(f"{layout.line(QUEUE)}/{names[0]}")[0].decode()
+    record = json.loads(zk.get(layout.worker(worker))[0])
+    os.kill(int(record["pid"]), signal.SIGKILL)
+    return {"worker": worker, "pid": record["pid"], "at": time.time()}
+
+
+def tokens(cluster: ZkCluster) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="zkq-tiny-") as tmp:
+        model = str(Path(tmp) / "tiny")
+        subprocess.run(
+            [*ZKQ_CLI, "tiny-model", model], env=child_env(), capture_output=True, check=True
+        )
+        with staged(cluster, "tokens") as stage:
+            a = _submit(stage, "A", 60, max_new_tokens=64, ignore_eos=True)
+            b = _submit(stage, "B", 480, max_new_tokens=8, ignore_eos=True)
+            stage.spawn(1, "--model", model, "--max-concurrency", "8")
+            if not wait_until(lambda: stage.finished(a + b) >= len(a + b), 900, 0.5):
+                raise SystemExit("the model jobs did not finish")
+            records = stage.records(a + b)
+            last = {
+                t: max(r["started_at"] for r in records.values() if r.get("tenant") == t)
+                for t in ("A", "B")
+            }
+            until = min(last.values())  # from then on only one tenant waited
+            served = {"A": 0, "B": 0}
+            for r in records.values():
+                if r["started_at"] < until:
+                    served[r["tenant"]] += int(r.get("output_tokens") or 0) + int(
+                        r.get("prompt_tokens") or 0
+                    )
+            ratio = served["A"] / served["B"] if served["B"] else float("inf")
+            return {
+                "tokens_while_both_waited": served,
+                "ratio": round(ratio, 3),
+                "target": "0.8 to 1.25",
+                "met": 0.8 <= ratio <= 1.25,
+            }
+
+
+def credit(cluster: ZkCluster, idle: float) -> dict[str, Any]:
+    with staged(cluster, "credit") as stage:
+        rate = 16 / 0.5  # jobs a second the fleet below finishes
+        a = _submit(stage, "A", int(rate * (idle + 60)))
+        b0 = _submit(stage, "B", 100)
+        stage.spawn(4, *_echo(4, 0.5))
+        wait_until(lambda: stage.finished(b0) >= len(b0), 300, 0.5)
+        time.sleep(idle)  # A alone
+        b_at = time.time()
+        b = _submit(stage, "B", 200)
+        wait_until(lambda: stage.finished(b) >= len(b), 300, 0.5)
+        records = stage.records(a + b)
+        b_last = max(r["started_at"] for i, r in records.items() if i in set(b))
+        window = [r for r in records.values() if b_at <= r["started_at"] <= b_last]
+        share = sum(1 for r in window if r.get("tenant") == "A") / max(1, len(window))
+        return {
+            "idle_s": idle,
+            "claims_while_both_waited": len(window),
+            "a_share": round(share, 3),
+            "target": ">= 0.40",
+            "met": share >= 0.40,
+        }
+
+
+def aging(cluster: ZkCluster) -> dict[str, Any]:
+    with staged(cluster, "aging") as stage:
+        Limits(stage.client.zk, stage.client.layout).set_promote_after(QUEUE, 5.0)
+        stage.spawn(1, *_echo(4, 0.5))
+        stop = threading.Event()
+
+        def keep_high() -> None:
+            while not stop.is_set():
+                waiting = stage.client.stats()["queues"][QUEUE]["waiting"]
+                if waiting < 20:
+                    stage.client.submit_many(["h"] * (20 - waiting), queue=QUEUE, priority="high")
+                time.sleep(0.1)
+
+        feeder = threading.Thread(target=keep_high, daemon=True)
+        feeder.start()
+        time.sleep(3)
+        low = stage.client.submit("low", priority="low", queue=QUEUE, detach=True)
+        try:
+            wait_until(lambda: stage.finished([low.id]), 60, 0.1)
+        finally:
+            stop.set()
+            feeder.join(5)
+        record = stage.records([low.id]).get(low.id)
+        wait = None if record is None else record["started_at"] - record["submitted_at"]
+        return {
+            "low_start_after_submit_s": None if wait is None else round(wait, 2),
+            "target": "<= 15",
+            "met": wait is not None and wait <= 15,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)} (all)")
+    parser.add_argument("--idle", type=float, default=60.0, help="credit: seconds B is idle")
+    parser.add_argument("--json", default=None, help="write the run here")
+    args = parser.parse_args()
+    chosen = args.scenarios or list(SCENARIOS)
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    out: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with ZkCluster(1) as cluster:
+        for name in chosen:
+            started = time.monotonic()
+            if name == "fairness":
+                out[name] = fairness(cluster)
+            elif name == "weights":
+                out[name] = _weighted(cluster, kill_head=False)
+            elif name == "durable":
+                out[name] = _weighted(cluster, kill_head=True)
+            elif name == "tokens":
+                out[name] = tokens(cluster)
+            elif name == "credit":
+                out[name] = credit(cluster, args.idle)
+            elif name == "aging":
+                out[name] = aging(cluster)
+            out[name]["seconds"] = round(time.monotonic() - started, 1)
+            print(f"{name}: {json.dumps(out[name])}", flush=True)
+    summary = [f"{n}: {'met' if out[n].get('met') else 'NOT met'}" for n in chosen]
+    report(out, summary, args.json)
+
+
+if __name__ == "__main__":
+    main()
