@@ -90,9 +90,8 @@ def test_a_tenant_that_was_idle_banks_no_credit(client: Client, start_worker, la
     so it takes turns with A instead of running all its jobs first."""
     zk = client.zk
     client.ensure_queue("default")
-    for tenant, level in (("A", 10_000.0), ("B", 0.0)):
-        path = layout.tenant_service("default", tenant)
-        zk.create(path, json.dumps({"service": level}).encode(), makepath=True)
+    path = layout.tenant_service("default", "A")  # B has none: it is new
+    zk.create(path, json.dumps({"service": 10_000.0, "cost": 66.0}).encode(), makepath=True)
     client.submit_many([f"A:{i}" for i in range(20)], tenant="A")
     client.submit_many([f"B:{i}" for i in range(20)], tenant="B")
     runner = RecordingRunner()

@@ -130,6 +130,10 @@ class HeadTurn:
             self.drop_watches()
             return []
         stayed, self._stayed = self._stayed, True
+        # Other heads may have charged the tenants' counters since this one's last turn (it
+        # cannot tell: it may have been head, then not, then head again): read them afresh,
+        # in this round trip.
+        self.share.refetch()
         skip = 0 if stayed else self._skip
         stale = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
         guess = stale[skip : skip + free] if skip is not None else []
@@ -183,6 +187,12 @@ class HeadTurn:
             self.view.invalidate()
             return None
         self.share.saved(path.rsplit("/", 1)[1] for path, _ in writes)
+        if writes and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "claimed for tenants %s; their service now %s",
+                ",".join(c.entry.tenant_name for c in picked),
+                {t: round(v) for t, v in self.share.service.items()},
+            )
         self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
         self.stats.unread += sum((c.priority, c.entry) in arrived for c in picked)
         # Out of the line (or at its back): the next head watches, not us. Dropping the
@@ -219,6 +229,7 @@ class HeadTurn:
             self.view.ctimes.clear()
         for priority in self.view.priorities:
             self.share.observe(priority, self.view.backlogged(priority, exclude))
+        self.share.looked()
 
     def drop_watches_soon(self) -> None:
         """This worker left the line: drop its watches on the loop's next pass."""

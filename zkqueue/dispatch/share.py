@@ -31,6 +31,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
@@ -72,11 +73,14 @@ class FairShare:
     unsaved: set[str] = field(default_factory=set)
     #: The tenants backlogged in each band at the last look.
     backlogged: dict[str, frozenset[str]] = field(default_factory=dict)
-    #: A tenant's average estimated cost per job, from the jobs this head claimed (the order of
-    #: a turn's candidates charges each with it before their specs are read).
+    #: A tenant's average estimated cost per job (tokens), from the jobs claimed, kept with its
+    #: counter (the order of a turn's candidates charges each with it before their specs are
+    #: read, and the lift's slack is counted in it).
     cost: dict[str, float] = field(default_factory=dict)
     #: Tenants whose counter node exists.
     stored: set[str] = field(default_factory=set)
+    #: Reads of counters sent ahead (``refetch``), by tenant.
+    _reads: dict[str, Any] = field(default_factory=dict)
 
     def forget(self) -> None:
         """This worker stopped being head (or lost its session): read the counters again."""
@@ -84,11 +88,26 @@ class FairShare:
         self.unsaved.clear()
         self.backlogged.clear()
         self.stored.clear()
+        self._reads.clear()
+
+    def refetch(self) -> None:
+        """Another head may have claimed since this one's last turn: drop the counters and send
+        the reads of those it chose between last time now, without waiting (they ride in the
+        turn's first round trip; ``load`` takes their answers)."""
+        contended = set().union(*(t for t in self.backlogged.values() if len(t) > 1))
+        self.service.clear()
+        self.unsaved.clear()
+        self._reads = {
+            t: self.zk.get_async(self.layout.tenant_service(self.queue, t)) for t in contended
+        }
 
     def load(self, tenants: Iterable[str]) -> None:
         """Read the counters of tenants this head has not read yet (pipelined, once each)."""
         missing = [t for t in tenants if t not in self.service]
-        calls = [(t, self.zk.get_async(self.layout.tenant_service(self.queue, t))) for t in missing]
+        path = self.layout.tenant_service
+        calls = [
+            (t, self._reads.pop(t, None) or self.zk.get_async(path(self.queue, t))) for t in missing
+        ]
         for tenant, call in calls:
             try:
                 data, _ = call.get()
@@ -96,11 +115,14 @@ class FairShare:
                 data = None
             else:
                 self.stored.add(tenant)
-            try:
-                value = float(json.loads(data or b"{}").get("service", 0.0))
-            except (ValueError, TypeError, AttributeError):
-                value = 0.0
-            self.service[tenant] = value if math.isfinite(value) and value >= 0 else 0.0
+            value, cost = _read_counter(data)
+            self.service[tenant] = value
+            if cost is not None and tenant not in self.cost:
+                self.cost[tenant] = cost
+
+    def looked(self) -> None:
+        """The turn's looks are over: reads sent ahead and not used are stale from now on."""
+        self._reads.clear()
 
     def observe(self, priority: str, tenants: frozenset[str]) -> None:
         """The tenants backlogged in ``priority`` now. Any of them whose counter lies more than
@@ -112,8 +134,11 @@ class FairShare:
         if len(tenants) < 2:
             return
         self.load(tenants)
+        known = [self.cost[t] / self.weight(t) for t in tenants if t in self.cost]
+        if not known:
+            return  # no job of theirs charged yet: nothing to measure the slack in
         top = max(self.service[t] for t in tenants)
-        step = max(self.cost.get(t, 1.0) / self.weight(t) for t in tenants)
+        step = max(known)
         floor = top - SLACK * step
         for tenant in tenants:
             if self.service[tenant] < floor:
@@ -139,7 +164,9 @@ class FairShare:
         return [
             (
                 self.layout.tenant_service(self.queue, t),
-                json.dumps({"service": round(self.service[t], 3)}).encode(),
+                json.dumps(
+                    {"service": round(self.service[t], 3), "cost": round(self.cost.get(t, 0.0), 1)}
+                ).encode(),
             )
             for t in written
         ]
@@ -177,3 +204,15 @@ class FairShare:
                 del heads[tenant]
             else:
                 heads[tenant] = following
+
+
+def _read_counter(data: bytes | None) -> tuple[float, float | None]:
+    """(service, cost per job or None) from a counter node's data; 0 for anything unreadable."""
+    try:
+        raw = json.loads(data or b"{}")
+        value = float(raw.get("service", 0.0))
+        cost = raw.get("cost")
+        cost = float(cost) if isinstance(cost, int | float) and cost > 0 else None
+    except (ValueError, TypeError, AttributeError):
+        return 0.0, None
+    return (value if math.isfinite(value) and value >= 0 else 0.0), cost
