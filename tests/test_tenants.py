@@ -101,15 +101,19 @@ def test_a_tenant_that_was_idle_banks_no_credit(client: Client, start_worker, la
 
 
 def test_aging_promotes_a_job_that_waited(client: Client, start_worker, layout) -> None:
+    """A busy worker, high jobs always waiting: a low job that waited two promote_after
+    periods is taken as a high one, ahead of the high jobs that came after it."""
     client.ensure_queue("default")
     Limits(client.zk, layout).set_promote_after("default", 0.5)
+    client.submit_many(["H"] * 10, priority="high")
+    start_worker(EchoRunner(delay=0.3), slots=2)
     low = client.submit("L:0", priority="low", detach=True)
-    time.sleep(1.2)  # the low job waits past two promotions (to high) before any worker runs
-    client.submit_many([f"H:{i}" for i in range(10)], priority="high")
-    runner = RecordingRunner()
-    start_worker(runner, slots=1)
-    assert low.result(timeout=20).status == "succeeded"
-    assert runner.seen[0] == "L:0", runner.seen
+    later = client.submit_many(["H"] * 20, priority="high")
+    record = low.result(timeout=20)
+    assert record.started_at is not None and record.submitted_at is not None
+    assert record.started_at - record.submitted_at < 5.0
+    after = [j.result(timeout=30) for j in later]
+    assert sum(1 for r in after if (r.started_at or 0) > record.started_at) >= 10
 
 
 def test_without_aging_a_low_job_waits_for_every_high_one(client: Client, start_worker) -> None:

@@ -25,6 +25,7 @@ lists a priority; a priority's candidates are its lanes' merged by fair share an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -114,6 +115,8 @@ class PendingView:
         self._dirty: set[Part] = {*self.priorities, CLAIMS}
         #: The wall clock aging compares ctimes with (the head sets it each turn).
         self.now = 0.0
+        #: When the tails below the first priority were last listed for aging (monotonic).
+        self._aged_at = 0.0
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -160,7 +163,7 @@ class PendingView:
         names = {p for p in self.lanes() if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
         parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
-        parts |= self._uncertain(exclude)
+        parts |= self._uncertain(exclude) | self._aging()
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
         peek = self._tails() & dirty if self._waiting else set()
@@ -193,6 +196,19 @@ class PendingView:
         while this worker is head): an entry a producer created without touching the bucket's
         data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
         self._dirty |= self.signalled & self._tails()  # their data watches stay set: not re-armed
+
+    def _aging(self) -> set[Part]:
+        """With aging on, the tails below the first priority, at most once a second: a busy
+        head lists lower priorities only when it runs short, and an entry that arrived there
+        meanwhile must still be seen to age."""
+        if self.promote_after is None:
+            return set()
+        now = time.monotonic()
+        if now - self._aged_at < min(1.0, self.promote_after / 4):
+            return set()
+        self._aged_at = now
+        top = self.priorities[0]
+        return {t for t in self._tails() if lane_parts(t[0])[0] != top} - self._trusted()
 
     def _uncertain(self, exclude: frozenset[str]) -> set[Part]:
         """Tails watched through their data whose listing may be stale, since neither a
@@ -471,7 +487,10 @@ class PendingView:
             else:
                 numbers.append(number)
         if "/" not in priority:
+            new = set(tenants) - set(self.tenants.get(priority, ()))
             self.tenants[priority] = sorted(tenants)
+            # A new tenant's lane: list it in this refresh (its first job is on its way).
+            self._dirty |= {lane(priority, t) for t in new}
         numbers.sort()
         old = self.buckets.get(priority)
         if old and numbers and numbers[-1] > old[-1] and (priority, old[-1]) in self.listed:
