@@ -179,8 +179,14 @@ class HeadTurn:
         writes = self.share.writes(
             c.entry.tenant_name for c in picked if self.share.contended(c.priority)
         )
+        lowest = max(picked, key=lambda c: self.view.priorities.index(c.priority)).priority
         claimed = self.claims.claim(
-            picked, self.line, rejoin=rejoin, give_back=give_back, extra=writes
+            picked,
+            self.line,
+            rejoin=rejoin,
+            give_back=give_back,
+            extra=writes,
+            checks=self.view.guards(lowest),
         )
         if claimed is None:
             self.share.service = before  # nothing was claimed: nobody was served

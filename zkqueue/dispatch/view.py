@@ -117,6 +117,8 @@ class PendingView:
         self.now = 0.0
         #: When the tails below the first priority were last listed for aging (monotonic).
         self._aged_at = 0.0
+        #: Reads of the tails' versions above the best candidate (``guards``).
+        self._guards: dict[tuple[str, str], Any] = {}
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -167,6 +169,7 @@ class PendingView:
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
         peek = self._tails() & dirty if self._waiting else set()
+        self._guard(exclude)
         self._read(parts, arm, peek=peek)
         for _ in range(8):
             more, self._dirty = self._short() | self._dirty, set()
@@ -196,6 +199,34 @@ class PendingView:
         while this worker is head): an entry a producer created without touching the bucket's
         data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
         self._dirty |= self.signalled & self._tails()  # their data watches stay set: not re-armed
+
+    def _guard(self, exclude: frozenset[str]) -> None:
+        """Read the data version of every tail above the best candidate's priority, before
+        their listings (the same round trip): producers set a tail's data in each enqueue (the
+        arrival signal), so a claim multi that checks these versions fails if a more urgent
+        job arrived after this look (``guards``), and the head looks again."""
+        best = next(self.candidates(set(exclude)), None)
+        above = self.priorities[: self.priorities.index(best[0])] if best else ()
+        self._guards = {
+            (lane_parts(t[0])[0], self._path(t)): self.zk.exists_async(self._path(t))
+            for t in self._tails()
+            if lane_parts(t[0])[0] in above
+        }
+
+    def guards(self, lowest: str) -> list[tuple[str, int]]:
+        """(tail path, data version) to check in a claim whose lowest priority is ``lowest``:
+        the tails above it as the last refresh read them."""
+        rank = self.priorities.index(lowest) if lowest in self.priorities else 0
+        checks = []
+        for (priority, path), call in self._guards.items():
+            if self.priorities.index(priority) < rank:
+                try:
+                    stat = call.get()
+                except NoNodeError:
+                    stat = None
+                if stat is not None:
+                    checks.append((path, stat.version))
+        return checks
 
     def _aging(self) -> set[Part]:
         """With aging on, the tails below the first priority, at most once a second: a busy

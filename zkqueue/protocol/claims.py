@@ -95,6 +95,7 @@ class Claims:
         rejoin: bool,
         give_back: Sequence[tuple[Claim, bytes]] = (),
         extra: Sequence[tuple[str, bytes]] = (),
+        checks: Sequence[tuple[str, int]] = (),
     ) -> list[Claim] | None:
         """Claim ``picked`` in one multi that also leaves the line (and rejoins it at the back
         when slots stay free). ``give_back`` preempts claims of this worker in the same multi:
@@ -102,9 +103,12 @@ class Claims:
         again. None if any entry changed under us: nothing was claimed, nothing given back
         (a preempted job was cancelled or fenced meanwhile, or an urgent one claimed by
         another head). ``extra``: plain writes (path, data) that go with the claim (the
-        tenants' service counters that the choice changed)."""
+        tenants' service counters that the choice changed); ``checks``: (path, version) that
+        must still hold (the tails of more urgent priorities, unchanged since the head looked)."""
         now = time.time()
         txn = self.zk.transaction()
+        for path, version in checks:
+            txn.check(path, version)
         for path, data in extra:
             txn.set_data(path, data)
         for claim, spec in give_back:
