@@ -207,10 +207,12 @@ class PendingView:
         job arrived after this look (``guards``), and the head looks again."""
         best = next(self.candidates(set(exclude)), None)
         above = self.priorities[: self.priorities.index(best[0])] if best else ()
+        paths = [self._path(t) for t in self._tails() if lane_parts(t[0])[0] in above]
+        # A priority's node changes when a tenant's lane is made there (and a bucket opens).
+        paths += [self._path(p) for p in above]
         self._guards = {
-            (lane_parts(t[0])[0], self._path(t)): self.zk.exists_async(self._path(t))
-            for t in self._tails()
-            if lane_parts(t[0])[0] in above
+            (path.rsplit("/pending/", 1)[1].partition("/")[0], path): self.zk.exists_async(path)
+            for path in paths
         }
 
     def guards(self, lowest: str) -> list[tuple[str, int]]:
