@@ -4,7 +4,6 @@ between bands, aging, per-tenant caps, and the protocol revision that brought te
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -83,6 +82,10 @@ def test_the_counters_are_kept_in_zookeeper(client: Client, start_worker, layout
         stored[tenant] = json.loads(data)["service"]
     # Each job is charged ceil(3 chars / 4) + 10 tokens while the other tenant waited.
     assert stored["A"] >= 4 * 11 and stored["B"] >= 4 * 11, stored
+    # The echo runner counts 2 tokens a job: the workers write what the estimates overcharged.
+    fixed = f"{layout.tenant_service('default', 'A')}/corrections"
+    wait_for(lambda: client.zk.exists(fixed), 10, message="A's corrections")
+    assert json.loads(client.zk.get(fixed)[0])["service"] < 0
 
 
 def test_a_tenant_that_was_idle_banks_no_credit(client: Client, start_worker, layout) -> None:

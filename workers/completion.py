@@ -68,6 +68,7 @@ class Completer:
         worker_id: str,
         forget: Callable[[RunningJob], None],
         unwatch: Callable[[list[RunningJob]], None] | None = None,
+        corrections: Callable[[Claim, dict[str, Any]], None] | None = None,
     ) -> None:
         self.claims = claims
         self.line = line
@@ -77,6 +78,8 @@ class Completer:
         self.forget = forget
         #: Called with the jobs of a completion just before its multi (drops entry watches).
         self.unwatch = unwatch
+        #: Called with each job written and its runner's figures (fair share's corrections).
+        self.corrections = corrections
         self.stats = CompletionStats()
         self.queued: deque[tuple[RunningJob, Outcome]] = deque()
 
@@ -218,6 +221,8 @@ class Completer:
             outcome.extra.get("output_tokens"),
         )
         log.info("%s in %.2fs", outcome.status, finished - claim.claimed_at, extra=context)
+        if self.corrections is not None:
+            self.corrections(claim, outcome.extra)
 
     def _letter(self, claim: Claim, data: bytes, stat: ZnodeStat) -> bool:
         """A generated id's duplicate (its check is left to the completion, which found it):

@@ -33,6 +33,7 @@ from workers.runners.gate import Gate
 from workers.stats import WorkerStats
 from workers.streams import StreamServer
 from zkqueue.dispatch.line import Line
+from zkqueue.dispatch.share import Corrections
 from zkqueue.dispatch.view import PendingView
 from zkqueue.plumbing.connection import TRANSIENT
 from zkqueue.protocol import revision
@@ -136,7 +137,9 @@ class Worker:
             self.id,
             self._forget,
             self.bridge.unwatch,
+            self._correct,
         )
+        self.corrections = Corrections(zk, self.layout, self.queue)
         self.liveness = Liveness(
             self.claims,
             self.registry,
@@ -227,6 +230,15 @@ class Worker:
         self._periodic()
         return not self._should_exit()
 
+    def _correct(self, claim: Claim, figures: dict[str, Any]) -> None:
+        """Count what a job of a queue with tenants really cost against its estimate."""
+        if not claim.entry.tenant and not any(self.view.tenants.values()):
+            return  # one tenant: nobody to be fair to
+        used = [figures.get(k) for k in ("prompt_tokens", "output_tokens")]
+        tokens = sum(u for u in used if isinstance(u, int)) if any(used) else None
+        weight = self.head.cap.settings.weight(claim.entry.tenant_name)
+        self.corrections.add(claim.entry.tenant_name, claim.spec, tokens, weight)
+
     def _periodic(self) -> None:
         live = self.liveness
         counts = (self.stats.completed, self.stats.failed, self.stats.preempted)
@@ -235,6 +247,11 @@ class Worker:
             self.view.poll()  # entries created without the arrival signal
         if beat:
             self.preemption.recheck()  # the same for a busy line's head
+        if beat and self.corrections.pending and not self.liveness.suspended:
+            try:
+                self.corrections.flush()
+            except TRANSIENT as exc:  # kept for the next heartbeat
+                log.warning("fair share corrections not written: %s", type(exc).__name__)
         if beat and self.on_heartbeat is not None:
             self.on_heartbeat(self)
         live.maybe_renew(self._stats.claimed, len(self.completer))

@@ -27,6 +27,12 @@ workers write as each job ends.
 - aging: one worker x 4 slots (echo 500 ms), ``promote_after`` 5 s, a producer keeping 20 high
   jobs waiting; a low job is submitted into that: seconds from its submission to its start
   (target: at most 15).
+- cost (``--old DIR``: a checkout of the tree before tenants, e.g. ``git worktree add DIR
+  4425c19``): dispatch throughput of 2,000 pre-filled echo jobs (no work) on 4 x 4 and 16 x 4
+  worker processes, the old tree and this one alternating (``--pairs``, 3), and this one with
+  the jobs spread over 16 tenants. Jobs a second from the first claim to the last finish, from
+  the result records; medians, and new / old (targets: one tenant at least 0.95x, 16 tenants at
+  least 0.8x).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -50,7 +58,7 @@ from zkqueue.protocol.limits import Limits
 from zkqueue.testing import ZkCluster
 
 QUEUE = "bench"
-SCENARIOS = ("fairness", "weights", "durable", "tokens", "credit", "aging")
+SCENARIOS = ("fairness", "weights", "durable", "tokens", "credit", "aging", "cost")
 
 
 class Stage:
@@ -111,10 +119,10 @@ def _echo(slots: int, delay: float) -> tuple[str, ...]:
     return ("--runner", "echo", "--echo-delay", str(delay), "--max-concurrency", str(slots))
 
 
-def _submit(stage: Stage, tenant: str, n: int, **kwargs: Any) -> list[str]:
-    jobs = stage.client.submit_many(
-        [f"{tenant}:{i}" for i in range(n)], queue=QUEUE, tenant=tenant, **kwargs
-    )
+def _submit(stage: Stage, tenant: str, n: int, **params: Any) -> list[str]:
+    """``n`` detached jobs of ``tenant``; ``params``: job parameters (max_new_tokens...)."""
+    specs = [{"prompt": f"{tenant}:{i}", **params} for i in range(n)]
+    jobs = stage.client.submit_many(specs, queue=QUEUE, tenant=tenant)
     return [j.id for j in jobs]
 
 
@@ -304,13 +312,79 @@ def aging(cluster: ZkCluster) -> dict[str, Any]:
         }
 
 
+def dispatch_run(hosts: str, procs: int, slots: int, jobs: int, tenants: int) -> float:
+    """One dispatch run of whichever tree is on PYTHONPATH (run as a subprocess: ``--run``):
+    jobs a second from the first claim to the last finish."""
+    root = f"/bench-cost-{procs}x{slots}-{tenants}-{int(time.time() * 1000)}"
+    client = Client(hosts, root).start()
+    client.ensure_queue(QUEUE)
+    for t in range(tenants):
+        share = [f"job {i}" for i in range(t, jobs, tenants)]
+        extra = {"tenant": f"t{t}"} if tenants > 1 else {}
+        client.submit_many(share, queue=QUEUE, **extra)
+    ids = [name for name in _entry_ids(client)]
+    with tempfile.TemporaryDirectory(prefix="zkq-cost-") as tmp:
+        stage = Stage.__new__(Stage)
+        stage.hosts, stage.root, stage.client = hosts, root, client
+        stage.folder, stage.workers = Path(tmp), []
+        stage.spawn(procs, *_echo(slots, 0.0))
+        if not wait_until(lambda: stage.finished(ids) >= len(ids), 600, 0.5):
+            raise SystemExit("the dispatch run did not finish")
+        records = stage.records(ids).values()
+        stage.close()
+    first = min(r["started_at"] for r in records)
+    last = max(r["finished_at"] for r in records)
+    return len(ids) / (last - first)
+
+
+def _entry_ids(client: Client) -> list[str]:
+    """The ids of every pending job of the bench queue (listed once, before any worker)."""
+    return [row["id"] for row in client.list(QUEUE)]
+
+
+def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
+    here = str(Path(__file__).resolve().parents[2])
+    rows: dict[str, list[float]] = {}
+    for _ in range(pairs):
+        for procs, slots in ((4, 4), (16, 4)):
+            for label, tree, tenants in (
+                ("old", old, 1),
+                ("new", here, 1),
+                ("new-16-tenants", here, 16),
+            ):
+                cmd = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
+                cmd += [cluster.hosts, str(procs), str(slots), str(jobs), str(tenants)]
+                env = {**os.environ, "PYTHONPATH": tree}
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                rate = float(done.stdout.strip().splitlines()[-1])
+                rows.setdefault(f"{procs}x{slots} {label}", []).append(rate)
+                print(f"  {procs}x{slots} {label}: {rate:.0f} jobs/s", flush=True)
+    medians = {k: statistics.median(v) for k, v in rows.items()}
+    out: dict[str, Any] = {"rates": rows, "medians": {k: round(v, 1) for k, v in medians.items()}}
+    for shape in ("4x4", "16x4"):
+        old_rate = medians[f"{shape} old"]
+        out[f"{shape} new/old"] = round(medians[f"{shape} new"] / old_rate, 3)
+        out[f"{shape} 16 tenants/old"] = round(medians[f"{shape} new-16-tenants"] / old_rate, 3)
+    out["met"] = all(out[f"{s} new/old"] >= 0.95 for s in ("4x4", "16x4")) and all(
+        out[f"{s} 16 tenants/old"] >= 0.8 for s in ("4x4", "16x4")
+    )
+    return out
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--run":
+        hosts, procs, slots, jobs, tenants = sys.argv[2:7]
+        print(dispatch_run(hosts, int(procs), int(slots), int(jobs), int(tenants)))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)} (all)")
     parser.add_argument("--idle", type=float, default=60.0, help="credit: seconds B is idle")
     parser.add_argument("--json", default=None, help="write the run here")
+    parser.add_argument("--old", default=None, help="cost: a checkout of the tree before tenants")
+    parser.add_argument("--pairs", type=int, default=3, help="cost: old/new pairs")
+    parser.add_argument("--jobs", type=int, default=2000, help="cost: jobs per run")
     args = parser.parse_args()
-    chosen = args.scenarios or list(SCENARIOS)
+    chosen = args.scenarios or [s for s in SCENARIOS if s != "cost" or args.old]
     unknown = set(chosen) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
@@ -330,6 +404,10 @@ def main() -> None:
                 out[name] = credit(cluster, args.idle)
             elif name == "aging":
                 out[name] = aging(cluster)
+            elif name == "cost":
+                if not args.old:
+                    parser.error("cost needs --old DIR (a checkout of the tree before tenants)")
+                out[name] = cost(cluster, args.old, args.pairs, args.jobs)
             out[name]["seconds"] = round(time.monotonic() - started, 1)
             print(f"{name}: {json.dumps(out[name])}", flush=True)
     summary = [f"{n}: {'met' if out[n].get('met') else 'NOT met'}" for n in chosen]

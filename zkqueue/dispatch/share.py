@@ -11,7 +11,10 @@ no credit. Jobs of one tenant
 keep their order (its lane is first come, first served).
 
 The counters live in ZooKeeper (``<queue>/service/<tenant>``, JSON ``{"service": V}``, V in
-weighted tokens) and survive worker restarts and a change of head: a head reads a tenant's counter
+weighted tokens; ``<queue>/service/<tenant>/corrections``, ``{"service": D}``, what the jobs
+really cost less their estimates, weighted, written by the workers that ran them a few times
+a minute: ``Corrections``; a tenant's counter is V + D) and survive worker restarts and a
+change of head: a head reads a tenant's counter
 the first time it chooses between tenants, keeps it in memory (only the head claims, so only the
 head charges), and writes the counters it changed into each claim multi that chose between
 tenants (no extra round trip). A claim from a band where one tenant alone waits charges its
@@ -34,13 +37,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from zkqueue.protocol.layout import EntryName, Layout
 from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.share")
 
+#: The child of a tenant's counter node that holds the workers' corrections.
+CORRECTIONS = "corrections"
 #: How many jobs' weighted cost a backlogged tenant's counter may lag the highest before it is
 #: lifted (``FairShare.observe``).
 SLACK = 2.0
@@ -79,8 +84,10 @@ class FairShare:
     cost: dict[str, float] = field(default_factory=dict)
     #: Tenants whose counter node exists.
     stored: set[str] = field(default_factory=set)
-    #: Reads of counters sent ahead (``refetch``), by tenant.
+    #: Reads of counters sent ahead (``refetch``), by tenant: (counter, corrections).
     _reads: dict[str, Any] = field(default_factory=dict)
+    #: The corrections part of each tenant's counter (in ``service``), as read.
+    corrected: dict[str, float] = field(default_factory=dict)
 
     def forget(self) -> None:
         """This worker stopped being head (or lost its session): read the counters again."""
@@ -97,26 +104,30 @@ class FairShare:
         contended = set().union(*(t for t in self.backlogged.values() if len(t) > 1))
         self.service.clear()
         self.unsaved.clear()
-        self._reads = {
-            t: self.zk.get_async(self.layout.tenant_service(self.queue, t)) for t in contended
-        }
+        self._reads = {t: self._read(t) for t in contended}
+
+    def _read(self, tenant: str) -> tuple[Any, Any]:
+        path = self.layout.tenant_service(self.queue, tenant)
+        return self.zk.get_async(path), self.zk.get_async(f"{path}/{CORRECTIONS}")
 
     def load(self, tenants: Iterable[str]) -> None:
         """Read the counters of tenants this head has not read yet (pipelined, once each)."""
         missing = [t for t in tenants if t not in self.service]
-        path = self.layout.tenant_service
-        calls = [
-            (t, self._reads.pop(t, None) or self.zk.get_async(path(self.queue, t))) for t in missing
-        ]
-        for tenant, call in calls:
+        calls = [(t, self._reads.pop(t, None) or self._read(t)) for t in missing]
+        for tenant, (call, corrections) in calls:
             try:
                 data, _ = call.get()
             except NoNodeError:
                 data = None
             else:
                 self.stored.add(tenant)
-            value, cost = _read_counter(data)
-            self.service[tenant] = value
+            value, cost, _ = _read_counter(data)
+            try:
+                corrected = _read_counter(corrections.get()[0])[2]
+            except NoNodeError:
+                corrected = 0.0
+            self.corrected[tenant] = corrected
+            self.service[tenant] = max(0.0, value + corrected)
             if cost is not None and tenant not in self.cost:
                 self.cost[tenant] = cost
 
@@ -165,7 +176,10 @@ class FairShare:
             (
                 self.layout.tenant_service(self.queue, t),
                 json.dumps(
-                    {"service": round(self.service[t], 3), "cost": round(self.cost.get(t, 0.0), 1)}
+                    {
+                        "service": round(self.service[t] - self.corrected.get(t, 0.0), 3),
+                        "cost": round(self.cost.get(t, 0.0), 1),
+                    }
                 ).encode(),
             )
             for t in written
@@ -206,13 +220,64 @@ class FairShare:
                 heads[tenant] = following
 
 
-def _read_counter(data: bytes | None) -> tuple[float, float | None]:
-    """(service, cost per job or None) from a counter node's data; 0 for anything unreadable."""
+def _read_counter(data: bytes | None) -> tuple[float, float | None, float]:
+    """(service, cost per job or None, service as a signed number) from a counter node's
+    data; 0 for anything unreadable."""
     try:
         raw = json.loads(data or b"{}")
         value = float(raw.get("service", 0.0))
         cost = raw.get("cost")
         cost = float(cost) if isinstance(cost, int | float) and cost > 0 else None
     except (ValueError, TypeError, AttributeError):
-        return 0.0, None
-    return (value if math.isfinite(value) and value >= 0 else 0.0), cost
+        return 0.0, None, 0.0
+    if not math.isfinite(value):
+        return 0.0, cost, 0.0
+    return max(0.0, value), cost, value
+
+
+class Corrections:
+    """What the jobs a worker ran really cost (prompt and output tokens, as its runner counted
+    them) less the estimates the head charged, weighted, per tenant; written a few times a minute
+    (``flush``, one versioned update per tenant) into ``service/<tenant>/corrections``."""
+
+    def __init__(self, zk: KazooClient, layout: Layout, queue: str) -> None:
+        self.zk = zk
+        self.layout = layout
+        self.queue = queue
+        self.pending: dict[str, float] = {}
+
+    def add(self, tenant: str, spec: JobSpec, tokens: int | None, weight: float) -> None:
+        """A job of ``tenant`` ended having used ``tokens`` (None: its runner did not count)."""
+        if tokens is None:
+            return
+        delta = (tokens - estimate(spec)) / weight
+        if delta:
+            self.pending[tenant] = self.pending.get(tenant, 0.0) + delta
+
+    def flush(self) -> None:
+        """Add what accumulated to each tenant's corrections (a versioned update, retried on a
+        concurrent one; what cannot be written now stays for the next flush)."""
+        for tenant, delta in list(self.pending.items()):
+            path = f"{self.layout.tenant_service(self.queue, tenant)}/{CORRECTIONS}"
+            for _ in range(8):
+                try:
+                    data, stat = self.zk.get(path)
+                except NoNodeError:
+                    try:
+                        self.zk.create(path, _corrections(delta), makepath=True)
+                    except NodeExistsError:
+                        continue
+                    break
+                value = _read_counter(data)[2] + delta
+                try:
+                    self.zk.set(path, _corrections(value), version=stat.version)
+                except BadVersionError:
+                    continue
+                break
+            else:
+                continue
+            del self.pending[tenant]
+
+
+def _corrections(value: float) -> bytes:
+    return json.dumps({"service": round(value, 3)}).encode()

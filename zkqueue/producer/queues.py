@@ -69,6 +69,7 @@ def _tenants(
     except NoNodeError:
         counted = []
     calls = {t: zk.get_async(layout.tenant_service(queue, t)) for t in counted}
+    fixes = {t: zk.get_async(f"{layout.tenant_service(queue, t)}/corrections") for t in counted}
     tenants: dict[str, dict[str, Any]] = {}
     for (priority, tenant), n in counts.by_tenant(per_lane).items():
         row = tenants.setdefault(tenant, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
@@ -79,8 +80,11 @@ def _tenants(
         row.setdefault("max_pending", None)
         row["service"] = None
         if name in calls:
-            with contextlib.suppress(NoNodeError, ValueError, TypeError, AttributeError):
+            with contextlib.suppress(NoNodeError, ValueError, TypeError, KeyError):
                 row["service"] = float(json.loads(calls[name].get()[0] or b"{}")["service"])
+            with contextlib.suppress(NoNodeError, ValueError, TypeError, KeyError):
+                fix = float(json.loads(fixes[name].get()[0] or b"{}")["service"])
+                row["service"] = max(0.0, (row["service"] or 0.0) + fix)
     return dict(sorted(tenants.items()))
 
 
