@@ -76,16 +76,14 @@ def test_the_counters_are_kept_in_zookeeper(client: Client, start_worker, layout
     runner = RecordingRunner()
     start_worker(runner, slots=1)
     wait_for(lambda: len(runner.seen) >= 12, 30)
-    stored = {}
-    for tenant in ("A", "B"):
-        data, _ = client.zk.get(layout.tenant_service("default", tenant))
-        stored[tenant] = json.loads(data)["service"]
+    counters = json.loads(client.zk.get(layout.service("default"))[0])
+    stored = {tenant: counters[tenant]["service"] for tenant in ("A", "B")}
     # Each job is charged ceil(3 chars / 4) + 10 tokens while the other tenant waited.
     assert stored["A"] >= 4 * 11 and stored["B"] >= 4 * 11, stored
     # The echo runner counts 2 tokens a job: the workers write what the estimates overcharged.
-    fixed = f"{layout.tenant_service('default', 'A')}/corrections"
-    wait_for(lambda: client.zk.exists(fixed), 10, message="A's corrections")
-    assert json.loads(client.zk.get(fixed)[0])["service"] < 0
+    fixed = f"{layout.service('default')}/corrections"
+    wait_for(lambda: client.zk.exists(fixed), 10, message="the corrections")
+    assert json.loads(client.zk.get(fixed)[0])["A"] < 0
 
 
 def test_a_tenant_that_was_idle_banks_no_credit(client: Client, start_worker, layout) -> None:
@@ -93,8 +91,8 @@ def test_a_tenant_that_was_idle_banks_no_credit(client: Client, start_worker, la
     so it takes turns with A instead of running all its jobs first."""
     zk = client.zk
     client.ensure_queue("default")
-    path = layout.tenant_service("default", "A")  # B has none: it is new
-    zk.create(path, json.dumps({"service": 10_000.0, "cost": 66.0}).encode(), makepath=True)
+    counters = {"A": {"service": 10_000.0, "cost": 66.0}}  # B has none: it is new
+    zk.set(layout.service("default"), json.dumps(counters).encode())
     client.submit_many([f"A:{i}" for i in range(20)], tenant="A")
     client.submit_many([f"B:{i}" for i in range(20)], tenant="B")
     runner = RecordingRunner()

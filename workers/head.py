@@ -24,7 +24,7 @@ from zkqueue.dispatch.share import FairShare, estimate
 from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import InvalidJob
 from zkqueue.protocol.claims import Candidate, Claim, Claims
-from zkqueue.protocol.layout import EntryName, Layout, is_generated_id, lane_parts
+from zkqueue.protocol.layout import EntryName, Layout, is_generated_id, lane, lane_parts
 from zkqueue.protocol.limits import RunningCap
 from zkqueue.protocol.records import DeadLetter
 from zkqueue.protocol.registry import read_records
@@ -192,7 +192,8 @@ class HeadTurn:
             self.share.service = before  # nothing was claimed: nobody was served
             self.view.invalidate()
             return None
-        self.share.saved(path.rsplit("/", 1)[1] for path, _ in writes)
+        if writes:
+            self.share.saved()
         if writes and log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "claimed for tenants %s; their service now %s",
@@ -298,6 +299,8 @@ class HeadTurn:
                     data, stat = call.get()
                 except NoNodeError:
                     self.view.drop(priority, entry)
+                    # Its bucket's listing is stale: list it again in the next refresh.
+                    self.view.invalidate((lane(priority, entry.tenant), entry.bucket))
                     self._gone += 1
                     self.stats.gone += 1
                     continue

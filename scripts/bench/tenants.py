@@ -355,7 +355,9 @@ def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
                 cmd = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
                 cmd += [cluster.hosts, str(procs), str(slots), str(jobs), str(tenants)]
                 env = {**os.environ, "PYTHONPATH": tree}
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"{procs}x{slots} {label} failed:\n{done.stderr[-3000:]}")
                 rate = float(done.stdout.strip().splitlines()[-1])
                 rows.setdefault(f"{procs}x{slots} {label}", []).append(rate)
                 print(f"  {procs}x{slots} {label}: {rate:.0f} jobs/s", flush=True)

@@ -28,10 +28,11 @@ so on; among those promoted into a band, the oldest first, ahead of the band's o
 
 from __future__ import annotations
 
-import contextlib
+import heapq
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,9 +73,12 @@ class FairShare:
     queue: str
     #: A tenant's weight (the queue's settings).
     weight: Callable[[str], float] = lambda _tenant: 1.0
-    #: Virtual service per tenant (weighted tokens), as this head knows it.
+    #: Each tenant's level: its counter and its corrections (weighted tokens), as this head
+    #: knows it (between turns, the last turn's: good enough to guess which lanes come first).
     service: dict[str, float] = field(default_factory=dict)
-    #: Tenants whose counter changed since it was last written.
+    #: The corrections part of each level, as read.
+    corrected: dict[str, float] = field(default_factory=dict)
+    #: Whether a counter changed since the counters were last written.
     unsaved: set[str] = field(default_factory=set)
     #: The tenants backlogged in each band at the last look.
     backlogged: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -82,58 +86,65 @@ class FairShare:
     #: counter (the order of a turn's candidates charges each with it before their specs are
     #: read, and the lift's slack is counted in it).
     cost: dict[str, float] = field(default_factory=dict)
-    #: Tenants whose counter node exists.
-    stored: set[str] = field(default_factory=set)
-    #: Reads of counters sent ahead (``refetch``), by tenant: (counter, corrections).
-    _reads: dict[str, Any] = field(default_factory=dict)
-    #: The corrections part of each tenant's counter (in ``service``), as read.
-    corrected: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        #: The reads of this turn, sent ahead (``refetch``): the counters, the corrections.
+        self._read: Any = None
+        self._fix: Any = None
+        #: Whether this turn's counters were read (``load``).
+        self._fresh = False
+        #: When the corrections were last read (monotonic): they change at heartbeats only.
+        self._fixed_at = 0.0
 
     def forget(self) -> None:
         """This worker stopped being head (or lost its session): read the counters again."""
         self.service.clear()
+        self.corrected.clear()
         self.unsaved.clear()
         self.backlogged.clear()
-        self.stored.clear()
-        self._reads.clear()
+        self._read = self._fix = None
+        self._fresh = False
 
     def refetch(self) -> None:
-        """Another head may have claimed since this one's last turn: drop the counters and send
-        the reads of those it chose between last time now, without waiting (they ride in the
-        turn's first round trip; ``load`` takes their answers)."""
-        contended = set().union(*(t for t in self.backlogged.values() if len(t) > 1))
-        self.service.clear()
+        """Another head may have claimed since this one's last turn: send the read of the
+        counters now, without waiting (it rides in the turn's first round trip; ``load``
+        takes the answer), and of the corrections once a second."""
+        self._fresh = False
         self.unsaved.clear()
-        self._reads = {t: self._read(t) for t in contended}
+        if not any(len(t) > 1 for t in self.backlogged.values()):
+            self._read = self._fix = None  # no choice between tenants last time: read if needed
+            return
+        self._send()
 
-    def _read(self, tenant: str) -> tuple[Any, Any]:
-        path = self.layout.tenant_service(self.queue, tenant)
-        return self.zk.get_async(path), self.zk.get_async(f"{path}/{CORRECTIONS}")
+    def _send(self) -> None:
+        path = self.layout.service(self.queue)
+        self._read = self.zk.get_async(path)
+        if time.monotonic() - self._fixed_at > 1.0 or not self.corrected:
+            self._fix = self.zk.get_async(f"{path}/{CORRECTIONS}")
 
-    def load(self, tenants: Iterable[str]) -> None:
-        """Read the counters of tenants this head has not read yet (pipelined, once each)."""
-        missing = [t for t in tenants if t not in self.service]
-        calls = [(t, self._reads.pop(t, None) or self._read(t)) for t in missing]
-        for tenant, (call, corrections) in calls:
-            try:
-                data, _ = call.get()
-            except NoNodeError:
-                data = None
-            else:
-                self.stored.add(tenant)
-            value, cost, _ = _read_counter(data)
-            try:
-                corrected = _read_counter(corrections.get()[0])[2]
-            except NoNodeError:
-                corrected = 0.0
-            self.corrected[tenant] = corrected
-            self.service[tenant] = max(0.0, value + corrected)
+    def load(self) -> None:
+        """Take this turn's counters (reading them now if ``refetch`` did not)."""
+        if self._fresh:
+            return
+        if self._read is None:
+            self._send()
+        read, fix, self._read, self._fix = self._read, self._fix, None, None
+        if fix is not None:
+            self._fixed_at = time.monotonic()
+            self.corrected = {t: v for t, v in _read_map(fix).items() if isinstance(v, float)}
+        counters = _read_map(read)
+        self.service = {}
+        for tenant, raw in counters.items():
+            value, cost = _counter(raw)
+            self.service[tenant] = value
             if cost is not None and tenant not in self.cost:
                 self.cost[tenant] = cost
+        for tenant, fixed in self.corrected.items():
+            self.service[tenant] = max(0.0, self.service.get(tenant, 0.0) + fixed)
+        self._fresh = True
 
     def looked(self) -> None:
-        """The turn's looks are over: reads sent ahead and not used are stale from now on."""
-        self._reads.clear()
+        """The turn's looks are over."""
 
     def observe(self, priority: str, tenants: frozenset[str]) -> None:
         """The tenants backlogged in ``priority`` now. Any of them whose counter lies more than
@@ -144,7 +155,9 @@ class FairShare:
         self.backlogged[priority] = tenants
         if len(tenants) < 2:
             return
-        self.load(tenants)
+        self.load()
+        for tenant in tenants:
+            self.service.setdefault(tenant, 0.0)
         known = [self.cost[t] / self.weight(t) for t in tenants if t in self.cost]
         if not known:
             return  # no job of theirs charged yet: nothing to measure the slack in
@@ -168,77 +181,78 @@ class FairShare:
         self.cost[tenant] = tokens if old is None else 0.8 * old + 0.2 * tokens
 
     def writes(self, tenants: Iterable[str]) -> list[tuple[str, bytes]]:
-        """The (path, data) writes of the counters of ``tenants`` that changed, for a claim
-        multi (their nodes are created first where missing; call ``saved`` once it committed)."""
-        written = sorted(set(tenants) & self.unsaved)
-        self.ensure_nodes(written)
-        return [
-            (
-                self.layout.tenant_service(self.queue, t),
-                json.dumps(
-                    {
-                        "service": round(self.service[t] - self.corrected.get(t, 0.0), 3),
-                        "cost": round(self.cost.get(t, 0.0), 1),
-                    }
-                ).encode(),
-            )
-            for t in written
-        ]
+        """The write of the counters, for a claim multi, when one of ``tenants`` changed (all
+        of them in one node: every tenant's counter as this turn read it, these charged);
+        call ``saved`` once it committed."""
+        if not self._fresh or not set(tenants) & self.unsaved:
+            return []
+        counters = {
+            t: {
+                "service": round(max(0.0, v - self.corrected.get(t, 0.0)), 3),
+                "cost": round(self.cost.get(t, 0.0), 1),
+            }
+            for t, v in sorted(self.service.items())
+        }
+        return [(self.layout.service(self.queue), json.dumps(counters).encode())]
 
-    def saved(self, tenants: Iterable[str]) -> None:
-        self.unsaved.difference_update(tenants)
-
-    def ensure_nodes(self, tenants: Iterable[str]) -> None:
-        """Create the counter nodes of tenants that have none (once each, before a multi first
-        writes them)."""
-        for tenant in set(tenants) - self.stored:
-            path = self.layout.tenant_service(self.queue, tenant)
-            with contextlib.suppress(NodeExistsError):
-                self.zk.create(path, json.dumps({"service": 0.0}).encode(), makepath=True)
-            self.stored.add(tenant)
+    def saved(self) -> None:
+        self.unsaved.clear()
 
     def merge(self, lanes: list[tuple[str, Iterator[EntryName]]]) -> Iterator[EntryName]:
         """The entries of several tenants' lanes of one band, in fair-share order: each next
         from the tenant with the least virtual service, charged its average cost as it goes
-        (a simulation: only ``charge`` changes the counters). Ties go to the lane listed first."""
-        virtual = {t: self.service.get(t, 0.0) for t, _ in lanes}
-        heads: dict[str, EntryName] = {}
-        order = [t for t, _ in lanes]
+        (a simulation: only ``charge`` changes the counters). Ties go to the lane listed first.
+        A heap: each entry costs O(log lanes), however many tenants wait."""
+        heap: list[tuple[float, int, str, EntryName]] = []
+        steps: dict[str, float] = {}
         iters = dict(lanes)
-        for tenant in order:
-            first = next(iters[tenant], None)
+        for index, (tenant, entries) in enumerate(lanes):
+            first = next(entries, None)
             if first is not None:
-                heads[tenant] = first
-        while heads:
-            tenant = min(heads, key=lambda t: (virtual[t], order.index(t)))
-            yield heads[tenant]
-            virtual[tenant] += self.cost.get(tenant, 1.0) / self.weight(tenant)
+                steps[tenant] = self.cost.get(tenant, 1.0) / self.weight(tenant)
+                heap.append((self.service.get(tenant, 0.0), index, tenant, first))
+        heapq.heapify(heap)
+        while heap:
+            level, index, tenant, entry = heap[0]
+            yield entry
             following = next(iters[tenant], None)
             if following is None:
-                del heads[tenant]
+                heapq.heappop(heap)
             else:
-                heads[tenant] = following
+                heapq.heapreplace(heap, (level + steps[tenant], index, tenant, following))
 
 
-def _read_counter(data: bytes | None) -> tuple[float, float | None, float]:
-    """(service, cost per job or None, service as a signed number) from a counter node's
-    data; 0 for anything unreadable."""
+def _read_map(call: Any) -> dict[str, Any]:
+    """A JSON object from a pipelined read (empty for a node that is missing or unreadable)."""
     try:
-        raw = json.loads(data or b"{}")
-        value = float(raw.get("service", 0.0))
-        cost = raw.get("cost")
-        cost = float(cost) if isinstance(cost, int | float) and cost > 0 else None
-    except (ValueError, TypeError, AttributeError):
-        return 0.0, None, 0.0
-    if not math.isfinite(value):
-        return 0.0, cost, 0.0
-    return max(0.0, value), cost, value
+        data, _ = call.get()
+        found = json.loads(data or b"{}")
+    except (NoNodeError, ValueError, UnicodeDecodeError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): float(v) if isinstance(v, int | float) else v for k, v in found.items()}
+
+
+def _counter(raw: Any) -> tuple[float, float | None]:
+    """(counter, cost per job or None) of one tenant's entry in the counters."""
+    if not isinstance(raw, dict):
+        return 0.0, None
+    value, cost = _number(raw.get("service")), _number(raw.get("cost"))
+    return (value if value is not None and value >= 0 else 0.0), (cost if cost else None)
+
+
+def _number(value: Any) -> float | None:
+    """A finite JSON number as a float (None for anything else)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 class Corrections:
     """What the jobs a worker ran really cost (prompt and output tokens, as its runner counted
-    them) less the estimates the head charged, weighted, per tenant; written a few times a minute
-    (``flush``, one versioned update per tenant) into ``service/<tenant>/corrections``."""
+    them) less the estimates the head charged, weighted, per tenant; written at the worker's
+    heartbeat (``flush``: one versioned update of ``service/corrections``)."""
 
     def __init__(self, zk: KazooClient, layout: Layout, queue: str) -> None:
         self.zk = zk
@@ -255,29 +269,39 @@ class Corrections:
             self.pending[tenant] = self.pending.get(tenant, 0.0) + delta
 
     def flush(self) -> None:
-        """Add what accumulated to each tenant's corrections (a versioned update, retried on a
+        """Add what accumulated to the corrections (a versioned update, retried on a
         concurrent one; what cannot be written now stays for the next flush)."""
-        for tenant, delta in list(self.pending.items()):
-            path = f"{self.layout.tenant_service(self.queue, tenant)}/{CORRECTIONS}"
-            for _ in range(8):
+        path = f"{self.layout.service(self.queue)}/{CORRECTIONS}"
+        for _ in range(8):
+            try:
+                data, stat = self.zk.get(path)
+            except NoNodeError:
                 try:
-                    data, stat = self.zk.get(path)
-                except NoNodeError:
-                    try:
-                        self.zk.create(path, _corrections(delta), makepath=True)
-                    except NodeExistsError:
-                        continue
-                    break
-                value = _read_counter(data)[2] + delta
-                try:
-                    self.zk.set(path, _corrections(value), version=stat.version)
-                except BadVersionError:
+                    self.zk.create(path, _corrections({}, self.pending), makepath=True)
+                except NodeExistsError:
                     continue
                 break
-            else:
+            try:
+                old = json.loads(data or b"{}")
+            except (ValueError, UnicodeDecodeError):
+                old = {}
+            try:
+                self.zk.set(path, _corrections(old, self.pending), version=stat.version)
+            except BadVersionError:
                 continue
-            del self.pending[tenant]
+            break
+        else:
+            return
+        self.pending.clear()
 
 
-def _corrections(value: float) -> bytes:
-    return json.dumps({"service": round(value, 3)}).encode()
+def _corrections(old: Any, delta: dict[str, float]) -> bytes:
+    """The corrections with ``delta`` added (entries that are not numbers start from 0)."""
+    merged = {
+        str(k): float(v)
+        for k, v in (old.items() if isinstance(old, dict) else ())
+        if isinstance(v, int | float) and math.isfinite(v)
+    }
+    for tenant, value in delta.items():
+        merged[tenant] = round(merged.get(tenant, 0.0) + value, 3)
+    return json.dumps(merged, sort_keys=True).encode()

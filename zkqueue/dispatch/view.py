@@ -265,14 +265,11 @@ class PendingView:
         """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
         (one bucket, at most ~1,000 names), since other workers' completions are not watched
         and their entries would otherwise be read as candidates and found gone."""
-        first = list(islice(self.candidates(set(exclude)), want))
-        sources = {(lane(p, e.tenant), e.bucket) for p, e in first}
-        # Between tenants the order follows counters this turn has yet to read: every lane of
-        # those priorities may give the first candidates.
-        for path in [path for p in {p for p, _ in first} for path in self.lanes(p)[1:]]:
-            for e in islice(self._lane_entries(path, set(exclude)), want):
-                sources.add((path, e.bucket))
-        return sources - self._trusted()
+        # Between tenants the order follows counters this turn has yet to read (the guess uses
+        # the last turn's): the buckets of a few more candidates than it claims.
+        ahead = 2 * want + 2 if self.share is not None and any(self.tenants.values()) else want
+        first = islice(self.candidates(set(exclude)), ahead)
+        return {(lane(p, e.tenant), e.bucket) for p, e in first} - self._trusted()
 
     def _trusted(self) -> set[Part]:
         """Parts whose child watch reports every change (a data watch hears arrivals only)."""

@@ -32,7 +32,7 @@ def queue_stats(zk: KazooClient, layout: Layout, queue: str) -> dict[str, Any]:
         "dead": zk.exists_async(layout.dead(queue)),
     }
     settings_call = zk.get_async(layout.queue(queue))
-    service_call = zk.get_children_async(layout.service(queue))
+    service_call = zk.get_async(layout.service(queue))
     per_lane = counts.bucket_counts(zk, layout, queue)
     depth = counts.by_priority(per_lane)
     found = {k: (s.numChildren if (s := c.get()) else 0) for k, c in calls.items()}
@@ -64,28 +64,31 @@ def _tenants(
 ) -> dict[str, dict[str, Any]]:
     """Per tenant with a lane, a counter or settings: its depth per priority (running jobs
     included), its weight and cap, and its service counter (weighted tokens; fair share)."""
-    try:
-        counted = list(service_call.get())
-    except NoNodeError:
-        counted = []
-    calls = {t: zk.get_async(layout.tenant_service(queue, t)) for t in counted}
-    fixes = {t: zk.get_async(f"{layout.tenant_service(queue, t)}/corrections") for t in counted}
+    fixes = _json_map(zk.get_async(f"{layout.service(queue)}/corrections"))
+    counters = _json_map(service_call)
     tenants: dict[str, dict[str, Any]] = {}
     for (priority, tenant), n in counts.by_tenant(per_lane).items():
         row = tenants.setdefault(tenant, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
         row["depth"][priority] += n
-    for name in {*tenants, *calls, *settings.tenants}:
+    for name in {*tenants, *counters, *settings.tenants}:
         row = tenants.setdefault(name, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
         row.update(settings.tenant(name).to_dict())
         row.setdefault("max_pending", None)
         row["service"] = None
-        if name in calls:
-            with contextlib.suppress(NoNodeError, ValueError, TypeError, KeyError):
-                row["service"] = float(json.loads(calls[name].get()[0] or b"{}")["service"])
-            with contextlib.suppress(NoNodeError, ValueError, TypeError, KeyError):
-                fix = float(json.loads(fixes[name].get()[0] or b"{}")["service"])
-                row["service"] = max(0.0, (row["service"] or 0.0) + fix)
+        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+            value = float(counters[name]["service"])
+            fix = fixes.get(name, 0.0)
+            row["service"] = max(0.0, value + (fix if isinstance(fix, int | float) else 0.0))
     return dict(sorted(tenants.items()))
+
+
+def _json_map(call: Any) -> dict[str, Any]:
+    """A node's JSON object (empty when it is missing or not an object)."""
+    try:
+        found = json.loads(call.get()[0] or b"{}")
+    except (NoNodeError, ValueError, UnicodeDecodeError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def queue_table(

@@ -7,7 +7,8 @@ else. Every parent that grows with traffic is split into bounded buckets (docs/P
                                                           of the default tenant
 <root>/queues/<queue>/pending/<priority>/@<tenant>        data: the tenant's tail bucket
 <root>/queues/<queue>/pending/<priority>/@<tenant>/<bucket>/<id>-<seq>   a job of <tenant>
-<root>/queues/<queue>/service/<tenant>                    the tenant's service counter (tokens)
+<root>/queues/<queue>/service                             the tenants' service counters (tokens)
+<root>/queues/<queue>/service/corrections                 what jobs really cost less the estimates
 <root>/queues/<queue>/claims/<id>                         EPHEMERAL: the running worker's claim
 <root>/queues/<queue>/line/w-<seq>                        EPHEMERAL_SEQUENTIAL: a worker with room
 <root>/queues/<queue>/busy/<floor>/w-<seq>                EPHEMERAL_SEQUENTIAL: a full worker that
@@ -306,11 +307,9 @@ class Layout:
         return f"{self.bucket(queue, priority, bucket)}/{job_id}-"
 
     def service(self, queue: str) -> str:
-        """The tenants' service counters (fair share: ``zkqueue.dispatch.share``)."""
+        """The tenants' service counters, in its data (fair share: ``zkqueue.dispatch.share``);
+        its child ``corrections`` holds the workers' corrections."""
         return f"{self.root}/queues/{queue}/service"
-
-    def tenant_service(self, queue: str, tenant: str) -> str:
-        return f"{self.service(queue)}/{tenant}"
 
     def claims(self, queue: str) -> str:
         return f"{self.root}/queues/{queue}/claims"
