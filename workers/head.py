@@ -135,7 +135,8 @@ class HeadTurn:
         # in this round trip.
         self.share.refetch()
         skip = 0 if stayed else self._skip
-        stale = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        scan = self._scan(free)
+        stale = list(islice(self.view.candidates(exclude), scan))
         guess = stale[skip : skip + free] if skip is not None else []
         reads = self._read(guess)
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
@@ -147,7 +148,7 @@ class HeadTurn:
         self._unwatch_due = False  # head again: the watches still serve
         self.view.await_arrivals(free, frozenset(exclude))
         self._order(exclude)
-        ordered = list(islice(self.view.candidates(exclude), _SCAN_LIMIT))
+        ordered = list(islice(self.view.candidates(exclude), scan))
         arrived = self._arrived(ordered[:free], reads)
         reads.update(arrived)
         if not stayed:
@@ -237,6 +238,13 @@ class HeadTurn:
         for priority in self.view.priorities:
             self.share.observe(priority, self.view.backlogged(priority, exclude))
         self.share.looked()
+
+    def _scan(self, free: int) -> int:
+        """How many candidates a turn orders: _SCAN_LIMIT, or where tenants share a priority
+        (each candidate then costs a step of the fair-share merge) a few more than it claims."""
+        if not any(self.view.tenants.values()):
+            return _SCAN_LIMIT
+        return min(_SCAN_LIMIT, 4 * free + 8)
 
     def drop_watches_soon(self) -> None:
         """This worker left the line: drop its watches on the loop's next pass."""

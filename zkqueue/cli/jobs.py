@@ -24,7 +24,13 @@ from zkqueue.cli.common import (
 )
 from zkqueue.errors import ExitCode, Interrupted, JobTimeout
 from zkqueue.producer.job import Job
-from zkqueue.protocol.layout import check_job_id, check_new_job_id, check_queue, check_tenant
+from zkqueue.protocol.layout import (
+    DEFAULT_TENANT,
+    check_job_id,
+    check_new_job_id,
+    check_queue,
+    check_tenant,
+)
 from zkqueue.protocol.result import Result
 
 
@@ -349,7 +355,9 @@ def ls(ctx: click.Context, queue: str, limit: int, all_: bool, as_json: bool) ->
         return
     for row in rows:
         where = row.get("worker") or f"#{row.get('position')}"
+        tenant = row.get("tenant")
+        whose = f"  tenant={tenant}" if tenant and tenant != DEFAULT_TENANT else ""
         click.echo(
             f"{row['id']}  {row['priority']:<6}  {row['state']:<7}  {where}  "
-            f"attempts={row['attempts']}"
+            f"attempts={row['attempts']}{whose}"
         )

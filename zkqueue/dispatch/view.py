@@ -267,7 +267,7 @@ class PendingView:
         and their entries would otherwise be read as candidates and found gone."""
         # Between tenants the order follows counters this turn has yet to read (the guess uses
         # the last turn's): the buckets of a few more candidates than it claims.
-        ahead = want + 1 if self.share is not None and any(self.tenants.values()) else want
+        ahead = want
         first = islice(self.candidates(set(exclude)), ahead)
         return {(lane(p, e.tenant), e.bucket) for p, e in first} - self._trusted()
 

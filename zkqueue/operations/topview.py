@@ -12,9 +12,10 @@ from rich.table import Table
 from rich.text import Text
 
 from zkqueue import defaults
+from zkqueue.protocol.layout import DEFAULT_TENANT
 
 if TYPE_CHECKING:
-    from zkqueue.operations.exporter import ClusterState
+    from zkqueue.operations.exporter import ClusterState, QueueState
 
 #: Worker rows shown at most.
 MAX_WORKER_ROWS = 100
@@ -195,6 +196,8 @@ def _queues_table(
     # A rate needs two frames: a single one (--once, the first frame) shows no such column.
     rated = any(rates.get(q.name) is not None for q in snap.cluster.queues)
     columns += [("jobs/s", 1, "right")] if rated else []
+    tenanted = any(_tenants_waiting(q) for q in snap.cluster.queues)
+    columns += [("waiting by tenant", 2, "left")] if tenanted else []
     rows = []
     for q in snap.cluster.queues:
         ages = {p: q.oldest_age(p, now) for p in defaults.PRIORITIES}
@@ -211,9 +214,23 @@ def _queues_table(
                 Text(str(q.dead), style="red" if q.dead else ""),
                 f"{format_age(oldest[0])} ({oldest[1]})" if oldest else "-",
                 *(["-" if rate is None else f"{rate:.2f}"] if rated else []),
+                *([_tenants_waiting(q) or "-"] if tenanted else []),
             ]
         )
     return "queues (running/cap)", columns, rows
+
+
+def _tenants_waiting(q: QueueState) -> str:
+    """The tenants with jobs waiting, most first (three at most, then how many more); empty
+    while only the default tenant has any."""
+    waiting: dict[str, int] = {}
+    for (_, tenant), n in q.tenants.items():
+        waiting[tenant] = waiting.get(tenant, 0) + n
+    shown = sorted(((n, t) for t, n in waiting.items() if n), reverse=True)
+    if not shown or {t for _, t in shown} == {DEFAULT_TENANT}:
+        return ""
+    text = ", ".join(f"{t} {n}" for n, t in shown[:3])
+    return text + (f", +{len(shown) - 3}" if len(shown) > 3 else "")
 
 
 def _workers_table(snap: TopSnapshot, now: float) -> tuple[str, list[Column], list[Row]]:
