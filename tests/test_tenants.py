@@ -180,3 +180,50 @@ def test_the_gateway_submits_for_the_keys_tenant(served) -> None:
         headers={"Authorization": "Bearer sk-broker-0", "X-Zkq-Tenant": "a/b"},
     )
     assert bad.status_code == 400 and "bad tenant name" in bad.json()["error"]["message"]
+
+
+def test_stats_ls_and_status_show_tenants(client: Client, layout, zkq) -> None:
+    client.ensure_queue("default")
+    Limits(client.zk, layout).set_tenant("default", "A", weight=2, max_pending=50)
+    client.submit_many(["a"] * 3, tenant="A")
+    job = client.submit("b", priority="low", tenant="B", detach=True)
+    tenants = client.stats()["queues"]["default"]["tenants"]
+    assert tenants["A"]["depth"]["normal"] == 3 and tenants["A"]["weight"] == 2.0
+    assert tenants["A"]["max_pending"] == 50
+    assert tenants["B"]["depth"]["low"] == 1 and tenants["B"]["weight"] == 1.0
+    assert client.job(job.id).info()["tenant"] == "B"
+    listed = zkq("ls")
+    assert listed.returncode == 0 and "tenant=A" in listed.stdout and "tenant=B" in listed.stdout
+    shown = zkq("stats")
+    assert "tenant A:" in shown.stdout and "weight=2" in shown.stdout
+
+
+def test_waiting_by_tenant_in_the_exporter_and_top(client: Client) -> None:
+    from zkqueue.operations.exporter import collect_once, read_cluster
+    from zkqueue.operations.topview import _tenants_waiting
+
+    client.submit_many(["a"] * 4, tenant="A")
+    client.submit_many(["b"] * 2, tenant="B")
+    text = collect_once(client)
+    assert 'zkq_tenant_waiting{priority="normal",queue="default",tenant="A"} 4.0' in text
+    assert 'zkq_tenant_waiting{priority="normal",queue="default",tenant="B"} 2.0' in text
+    state = read_cluster(client)
+    assert _tenants_waiting(state.queues[0]) == "A 4, B 2"
+
+
+def test_wait_by_tenant_has_bounded_labels() -> None:
+    from prometheus_client import generate_latest
+
+    from workers.metrics import MAX_TENANT_LABELS, WorkerMetrics
+
+    m = WorkerMetrics()
+    for i in range(MAX_TENANT_LABELS + 5):
+        m.job_finished("q", "normal", "succeeded", 0.1, 0.1, None, tenant=f"t{i:02d}")
+    m.job_finished("q", "normal", "succeeded", 0.1, 0.1, None)  # the default tenant: none
+    text = generate_latest(m.registry).decode()
+    names = {
+        line.split('tenant="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("zkq_tenant_wait_seconds_count")
+    }
+    assert len(names) == MAX_TENANT_LABELS + 1 and "other" in names

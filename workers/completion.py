@@ -219,6 +219,7 @@ class Completer:
             claim.claimed_at - claim.submitted_at,
             finished - claim.claimed_at,
             outcome.extra.get("output_tokens"),
+            claim.entry.tenant or None,
         )
         log.info("%s in %.2fs", outcome.status, finished - claim.claimed_at, extra=context)
         if self.corrections is not None:

@@ -30,6 +30,8 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PAGE_BUCKETS = tuple(float(2**n) for n in range(17))
 #: The connection states kazoo reports (kazoo.protocol.states.KazooState values).
 CONNECTION_STATES = ("CONNECTED", "SUSPENDED", "LOST")
+#: Tenants with a label of their own in zkq_tenant_wait_seconds, per worker (the rest: "other").
+MAX_TENANT_LABELS = 32
 
 
 class WorkerMetrics:
@@ -51,6 +53,16 @@ class WorkerMetrics:
             buckets=WAIT_BUCKETS,
             registry=reg,
         )
+        self.tenant_wait = Histogram(
+            "zkq_tenant_wait_seconds",
+            "Seconds from submission to claim, by tenant (jobs of tenants other than the default "
+            f"one; the first {MAX_TENANT_LABELS} tenants by name, the rest as 'other').",
+            ["queue", "priority", "tenant"],
+            buckets=WAIT_BUCKETS,
+            registry=reg,
+        )
+        #: The tenants with a label of their own (bounded: MAX_TENANT_LABELS).
+        self._tenants: set[str] = set()
         self.run = Histogram(
             "zkq_run_seconds",
             "Seconds from claim to end.",
@@ -141,17 +153,31 @@ class WorkerMetrics:
         wait_s: float | None,
         run_s: float | None,
         tokens: int | None,
+        tenant: str | None = None,
     ) -> None:
         """A job ended with a result. ``wait_s``/``run_s`` are None for a job that never ran
-        (expired, rejected, dead-lettered): it is counted but left out of that histogram."""
+        (expired, rejected, dead-lettered): it is counted but left out of that histogram.
+        ``tenant``: a job of a tenant other than the default one (its wait is also observed by
+        tenant)."""
         self._know(queue)
         self.jobs.labels(queue, priority, status).inc()
         if wait_s is not None:
             self.wait.labels(queue, priority).observe(max(0.0, wait_s))
+            if tenant:
+                label = self._tenant_label(tenant)
+                self.tenant_wait.labels(queue, priority, label).observe(max(0.0, wait_s))
         if run_s is not None:
             self.run.labels(queue, priority).observe(max(0.0, run_s))
         if tokens:
             self.tokens.labels(queue).inc(tokens)
+
+    def _tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) >= MAX_TENANT_LABELS:
+            return "other"
+        self._tenants.add(tenant)
+        return tenant
 
     def batch(self, queue: str, size: int) -> None:
         """One head turn claimed ``size`` jobs."""

@@ -117,8 +117,9 @@ class PendingView:
         self.now = 0.0
         #: When the tails below the first priority were last listed for aging (monotonic).
         self._aged_at = 0.0
-        #: Reads of the tails' versions above the best candidate (``guards``).
-        self._guards: dict[tuple[str, str], Any] = {}
+        #: The data version of each lane's node and listed bucket, by path, as its last listing
+        #: found it (``guards``).
+        self.versions: dict[str, int] = {}
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -169,7 +170,6 @@ class PendingView:
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
         peek = self._tails() & dirty if self._waiting else set()
-        self._guard(exclude)
         self._read(parts, arm, peek=peek)
         for _ in range(8):
             more, self._dirty = self._short() | self._dirty, set()
@@ -200,34 +200,19 @@ class PendingView:
         data (docs/PROTOCOL.md) waits for this, or for the next event, at most."""
         self._dirty |= self.signalled & self._tails()  # their data watches stay set: not re-armed
 
-    def _guard(self, exclude: frozenset[str]) -> None:
-        """Read the data version of every tail above the best candidate's priority, before
-        their listings (the same round trip): producers set a tail's data in each enqueue (the
-        arrival signal), so a claim multi that checks these versions fails if a more urgent
-        job arrived after this look (``guards``), and the head looks again."""
-        best = next(self.candidates(set(exclude)), None)
-        above = self.priorities[: self.priorities.index(best[0])] if best else ()
-        paths = [self._path(t) for t in self._tails() if lane_parts(t[0])[0] in above]
-        # A priority's node changes when a tenant's lane is made there (and a bucket opens).
-        paths += [self._path(p) for p in above]
-        self._guards = {
-            (path.rsplit("/pending/", 1)[1].partition("/")[0], path): self.zk.exists_async(path)
-            for path in paths
-        }
-
     def guards(self, lowest: str) -> list[tuple[str, int]]:
-        """(tail path, data version) to check in a claim whose lowest priority is ``lowest``:
-        the tails above it as the last refresh read them."""
+        """(path, data version) to check in a claim whose least urgent entry is of ``lowest``:
+        each lane of the priorities above it, its tail bucket and the priority's node, at the
+        versions their last listings found. Producers set a tail's data in each enqueue (the
+        arrival signal), and a priority's node changes when a tenant's lane is made there (or
+        a bucket opens): if a more urgent job arrived after this head looked, the claim fails
+        and the head looks again."""
         rank = self.priorities.index(lowest) if lowest in self.priorities else 0
         checks = []
-        for (priority, path), call in self._guards.items():
-            if self.priorities.index(priority) < rank:
-                try:
-                    stat = call.get()
-                except NoNodeError:
-                    stat = None
-                if stat is not None:
-                    checks.append((path, stat.version))
+        for priority in self.priorities[:rank]:
+            paths = [self._path(priority)]
+            paths += [self._path(t) for t in self._tails() if lane_parts(t[0])[0] == priority]
+            checks += [(p, self.versions[p]) for p in paths if p in self.versions]
         return checks
 
     def _aging(self) -> set[Part]:
@@ -428,16 +413,19 @@ class PendingView:
             if part in peek and part not in data:
                 data[part] = self.zk.get_async(self._path(part))
             watch = self._watch(part) if part in arm else None
-            listing = self.zk.get_children_async(self._path(part), watch, part in peek)
+            # With the node's stat: its data version is what a claim's guard checks.
+            listing = self.zk.get_children_async(self._path(part), watch, True)
             calls[part] = (listing, data.get(part) if part in peek else None)
         self.listings += len(calls)
         for part, (call, signalled) in calls.items():
             try:
-                names = call.get()
+                names, stat = call.get()
             except NoNodeError:  # and no watch was set: the next refresh lists it again
-                names = []
+                names, stat = [], None
                 self.armed.discard(part)
                 self.signalled.discard(part)
+            if stat is not None and part != CLAIMS:
+                self.versions[self._path(part)] = stat.version
             if part == CLAIMS:
                 self.claimed = set(names)
             elif isinstance(part, str):
@@ -446,7 +434,7 @@ class PendingView:
                 if signalled is None:
                     self._store(part, names)
                 else:
-                    self._store_signalled(part, names, signalled)
+                    self._store_signalled(part, (names, stat), signalled)
 
     def _store_signalled(self, key: tuple[str, int], listing: Any, signalled: Any) -> None:
         """Store a bucket listed with its stat just after its data was read; keep its newest
@@ -497,6 +485,7 @@ class PendingView:
         self._forget(key)
 
     def _forget(self, key: tuple[str, int]) -> None:
+        self.versions.pop(self._path(key), None)
         self.listed.pop(key, None)
         self._parsed.pop(key, None)
         self._watches.pop(key, None)
