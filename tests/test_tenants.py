@@ -227,3 +227,31 @@ def test_wait_by_tenant_has_bounded_labels() -> None:
         if line.startswith("zkq_tenant_wait_seconds_count")
     }
     assert len(names) == MAX_TENANT_LABELS + 1 and "other" in names
+
+
+def test_a_tenant_whose_lane_ran_dry_is_seen_when_it_sends_more(
+    client: Client, start_worker
+) -> None:
+    """A busy head watches nothing; B's lane empties, then B sends more while A's backlog
+    runs: B's new jobs are taken in turn with A's, not after all of them."""
+    client.submit_many([f"A:{i}" for i in range(150)], tenant="A")
+    first = client.submit_many([f"B:{i}" for i in range(2)], tenant="B")
+    runner = SlowRecorder(0.02)
+    start_worker(runner, slots=1)
+    for job in first:
+        job.result(timeout=20)
+    more = client.submit_many([f"B:{i}" for i in range(2, 7)], tenant="B")
+    for job in more:
+        job.result(timeout=20)
+    seen = runner.seen
+    between = seen[seen.index("B:2") : seen.index("B:6") + 1]
+    assert len(between) <= 12, between  # 5 of B's and about as many of A's, in turn
+    assert "A:149" not in seen[: seen.index("B:6")]
+
+
+class SlowRecorder(RecordingRunner):
+    """Records the order, and takes ``delay`` seconds a job."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay

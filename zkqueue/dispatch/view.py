@@ -53,6 +53,9 @@ from zkqueue.protocol.layout import (
 
 log = logging.getLogger("zkq.view")
 CLAIMS = "claims"
+#: Seconds between listings of the tail of a lane with no candidate, while tenants share a
+#: priority (``PendingView._idle_tails``).
+IDLE_RELIST = 0.25
 #: Unclaimed candidates per priority the view keeps listed (when the buckets hold that many).
 WANT = 64
 #: A part of the view, re-read when its watch fires: CLAIMS, a lane (its bucket names: a
@@ -120,6 +123,8 @@ class PendingView:
         #: The data version of each lane's node and listed bucket, by path, as its last listing
         #: found it (``guards``).
         self.versions: dict[str, int] = {}
+        #: When each bucket was last listed (monotonic; ``_idle_tails``).
+        self._listed_at: dict[Part, float] = {}
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -166,7 +171,7 @@ class PendingView:
         names = {p for p in self.lanes() if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
         parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
-        parts |= self._uncertain(exclude) | self._aging()
+        parts |= self._uncertain(exclude) | self._aging() | self._idle_tails(exclude)
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
         peek = self._tails() & dirty if self._waiting else set()
@@ -214,6 +219,28 @@ class PendingView:
             paths += [self._path(t) for t in self._tails() if lane_parts(t[0])[0] == priority]
             checks += [(p, self.versions[p]) for p in paths if p in self.versions]
         return checks
+
+    def _idle_tails(self, exclude: frozenset[str]) -> set[Part]:
+        """The tails of the lanes with no candidate listed in the priorities down to the best
+        candidate's, each at most every IDLE_RELIST seconds: a busy head watches nothing, and
+        a tenant whose lane ran dry must still be seen when it sends more (its new jobs would
+        otherwise wait until every other tenant's had run)."""
+        if not any(self.tenants.values()):
+            return set()  # one lane a priority: its arrivals are the tail listings' business
+        best = next(self.candidates(set(exclude)), None)
+        if best is None:
+            return set()
+        bands = self.priorities[: self.priorities.index(best[0]) + 1]
+        now = time.monotonic()
+        found: set[Part] = set()
+        for path in [path for p in bands for path in self.lanes(p)]:
+            numbers = self.buckets.get(path)
+            if not numbers or next(self._lane_entries(path, set(exclude)), None) is not None:
+                continue
+            tail = (path, numbers[-1])
+            if now - self._listed_at.get(tail, 0.0) >= IDLE_RELIST:
+                found.add(tail)
+        return found - self._trusted()
 
     def _aging(self) -> set[Part]:
         """With aging on, the tails below the first priority, at most once a second: a busy
@@ -426,6 +453,8 @@ class PendingView:
                 self.signalled.discard(part)
             if stat is not None and part != CLAIMS:
                 self.versions[self._path(part)] = stat.version
+            if not isinstance(part, str):
+                self._listed_at[part] = time.monotonic()
             if part == CLAIMS:
                 self.claimed = set(names)
             elif isinstance(part, str):
@@ -486,6 +515,7 @@ class PendingView:
 
     def _forget(self, key: tuple[str, int]) -> None:
         self.versions.pop(self._path(key), None)
+        self._listed_at.pop(key, None)
         self.listed.pop(key, None)
         self._parsed.pop(key, None)
         self._watches.pop(key, None)
