@@ -102,7 +102,7 @@ class Enqueuer:
                 # tenant's first job in this priority: its lane is made
                 revision.ensure_dirs(self._zk(), self.layout, queue, all_of="/" not in priority)
                 if "/" in priority:
-                    revision.ensure_lane(self._zk(), self.layout, queue, priority)
+                    claims.make_lane(self._zk(), self.layout, queue, priority)
                 found = read_tail(self._zk(), self.layout, queue, priority)
             self._tails[(queue, priority)] = found
         return found

@@ -4,6 +4,8 @@
             <bucket>/<id>- (sequential): a producer whose tail bucket is stale fails and reads
             it again. The set_data is the arrival signal a waiting head watches.
 - open:     check(pending/<priority>) + create the next bucket + set the priority's tail to it.
+- lane:     create pending/<priority>/@<tenant> + its first bucket + set_data(pending/<priority>,
+            same data, version read): a tenant's first job in a priority.
 - claim:    create claims/<id> (ephemeral) + set_data(entry, same bytes, version=read version)
             [+ leave the line, + rejoin it at the back]. The entry's new version is the fencing
             token and the attempt count; one claim per id, so an id never runs twice at once.
@@ -28,11 +30,11 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from zkqueue import defaults
-from zkqueue.errors import CorruptRecord
+from zkqueue.errors import CorruptRecord, ZkqConnectionError
 from zkqueue.protocol import result as results
 from zkqueue.protocol.layout import EntryName, Layout, child, entry_job_id
 from zkqueue.protocol.nodes import Ticks, descendants, own_untracked
@@ -390,6 +392,28 @@ def open_bucket(
     txn.create(layout.bucket(queue, priority, tail + 1))
     txn.set_data(layout.pending(queue, priority), str(tail + 1).encode(), version=version)
     return not transaction_failed(txn.commit())
+
+
+def make_lane(zk: KazooClient, layout: Layout, queue: str, lane: str) -> None:
+    """Create a tenant's lane in a priority and its first bucket where missing, in one multi
+    that also sets the priority's node to the data it holds (the head hears of the new lane
+    through its watch on the priority's children, and a head about to claim less urgent jobs
+    checks that node's version: ``zkqueue.dispatch.view``)."""
+    priority = lane.partition("/")[0]
+    for _ in range(16):
+        data, stat = zk.get(layout.pending(queue, priority))
+        txn = zk.transaction()
+        txn.create(layout.pending(queue, lane))
+        txn.create(layout.bucket(queue, lane, 0))
+        txn.set_data(layout.pending(queue, priority), data, version=stat.version)
+        outcome = txn.commit()
+        if not transaction_failed(outcome):
+            return
+        if any(isinstance(r, NodeExistsError) for r in outcome):
+            with contextlib.suppress(NodeExistsError):  # made by another producer (or by hand)
+                zk.create(layout.bucket(queue, lane, 0))
+            return
+    raise ZkqConnectionError(f"the priority {priority!r} of queue {queue!r} kept changing")
 
 
 def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str) -> bool:

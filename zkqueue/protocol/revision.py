@@ -11,7 +11,7 @@ from contextlib import suppress
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from zkqueue.errors import ProtocolMismatch, ZkqConnectionError
+from zkqueue.errors import ProtocolMismatch
 from zkqueue.protocol.layout import PROTOCOL_VERSION, Layout
 
 
@@ -56,28 +56,6 @@ def mismatch(layout: Layout, version: int | None) -> str:
         f"root {root} holds protocol version {version}; this zkq speaks version "
         f"{PROTOCOL_VERSION} only"
     )
-
-
-def ensure_lane(zk: KazooClient, layout: Layout, queue: str, lane: str) -> None:
-    """Create a tenant's lane in a priority and its first bucket where missing, in one multi
-    that also sets the priority's node to the data it holds (the head hears of the new lane
-    through its watch on the priority's children, and a head about to claim less urgent jobs
-    checks that node's version: ``zkqueue.dispatch.view``)."""
-    priority = lane.partition("/")[0]
-    for _ in range(16):
-        data, stat = zk.get(layout.pending(queue, priority))
-        txn = zk.transaction()
-        txn.create(layout.pending(queue, lane))
-        txn.create(layout.bucket(queue, lane, 0))
-        txn.set_data(layout.pending(queue, priority), data, version=stat.version)
-        outcome = txn.commit()
-        if not any(isinstance(r, Exception) for r in outcome):
-            return
-        if any(isinstance(r, NodeExistsError) for r in outcome):
-            with suppress(NodeExistsError):  # made by another producer (or by hand)
-                zk.create(layout.bucket(queue, lane, 0))
-            return
-    raise ZkqConnectionError(f"the priority {priority!r} of queue {queue!r} kept changing")
 
 
 def ensure_dirs(zk: KazooClient, layout: Layout, queue: str, *, all_of: bool = False) -> None:
