@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -147,16 +148,7 @@ class Limits:
                     f"{name.replace('_', ' ')} must be 1 to {MAX_LIMIT} (or none): producers in "
                     "other languages read it as a 32-bit int"
                 )
-        path = self.layout.queue(queue)
-        while True:
-            data, stat = self.zk.get(path)
-            settings = replace(QueueSettings.from_bytes(data), **limits)  # type: ignore[arg-type]
-            try:
-                self.zk.set(path, settings.to_bytes(), version=stat.version)
-            except BadVersionError:
-                continue
-            self._cache.pop(queue, None)
-            return settings
+        return self._change(queue, lambda s: replace(s, **limits))  # type: ignore[arg-type]
 
     def set_max_pending(self, queue: str, max_pending: int | None) -> None:
         self.set(queue, max_pending=max_pending)
@@ -198,7 +190,9 @@ class Limits:
 
         return self._change(queue, change)
 
-    def _change(self, queue: str, change: Any) -> QueueSettings:
+    def _change(
+        self, queue: str, change: Callable[[QueueSettings], QueueSettings]
+    ) -> QueueSettings:
         """Apply ``change`` to the settings, retried against a concurrent writer's version."""
         path = self.layout.queue(queue)
         while True:
