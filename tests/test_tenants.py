@@ -255,3 +255,21 @@ class SlowRecorder(RecordingRunner):
     def __init__(self, delay: float) -> None:
         super().__init__()
         self.delay = delay
+
+
+def test_queue_tenant_and_promote_after_from_the_cli(zkq, client: Client) -> None:
+    made = zkq("queue", "create", "llama", "--promote-after", "120")
+    assert made.returncode == 0 and "promote after 120s" in made.stdout, made.stderr
+    weighted = zkq("queue", "tenant", "llama", "team-a", "--weight", "3", "--max-pending", "5")
+    assert weighted.returncode == 0 and "tenant team-a: weight 3, max pending 5" in weighted.stdout
+    uncapped = zkq("queue", "tenant", "llama", "team-a", "--max-pending", "none")
+    assert "tenant team-a: weight 3" in uncapped.stdout and "max pending 5" not in uncapped.stdout
+    off = zkq("queue-limit", "llama", "--promote-after", "none")
+    assert off.returncode == 0 and "promote after" not in off.stdout
+    settings = client.limits.settings("llama")
+    assert settings.promote_after is None and settings.tenant("team-a").weight == 3.0
+    assert zkq("queue", "tenant", "nosuch", "t", "--weight", "2").returncode == 3
+    assert zkq("queue", "tenant", "llama", "t", "--weight", "0").returncode == 2
+    assert zkq("queue", "tenant", "llama", "t", "--remove", "--weight", "2").returncode == 2
+    assert zkq("queue", "tenant", "llama", "no/slash", "--weight", "2").returncode == 2
+    assert zkq("queue-limit", "llama", "--promote-after", "-1").returncode == 2
