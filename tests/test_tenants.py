@@ -13,7 +13,7 @@ from tests.conftest import wait_for
 from tests.runners import RecordingRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.errors import ProtocolMismatch, QueueFull
+from zkqueue.errors import ExitCode, ProtocolMismatch, QueueFull
 from zkqueue.protocol import revision
 from zkqueue.protocol.layout import Layout
 from zkqueue.protocol.limits import Limits
@@ -273,3 +273,14 @@ def test_queue_tenant_and_promote_after_from_the_cli(zkq, client: Client) -> Non
     assert zkq("queue", "tenant", "llama", "t", "--remove", "--weight", "2").returncode == 2
     assert zkq("queue", "tenant", "llama", "no/slash", "--weight", "2").returncode == 2
     assert zkq("queue-limit", "llama", "--promote-after", "-1").returncode == 2
+
+
+def test_zkq_migrate_moves_a_version_2_root(zkq, client: Client, layout) -> None:
+    client.submit("before", detach=True)
+    client.zk.set(layout.protocol(), b"2")
+    refused = zkq("stats")
+    assert refused.returncode == ExitCode.CONFIG and "zkq migrate" in refused.stderr
+    moved = zkq("migrate")
+    assert moved.returncode == 0 and "migrated" in moved.stdout, moved.stderr
+    assert client.zk.get(layout.protocol())[0] == b"3"
+    assert zkq("stats").returncode == 0

@@ -147,7 +147,8 @@ def dead_purge(ctx: click.Context, queue: str | None, older_than: float | None) 
 @click.pass_context
 @handles_errors
 def migrate(ctx: click.Context) -> None:
-    """Move a root written by protocol version 1 to version 2 (stop version 1 workers first).
+    """Move a root written by an earlier protocol version (1, or 2: before tenants) to this
+    one, 3 (stop the old workers first: it refuses while a queue has claims or a line).
 
     \b
     Example:
