@@ -284,3 +284,41 @@ def test_zkq_migrate_moves_a_version_2_root(zkq, client: Client, layout) -> None
     assert moved.returncode == 0 and "migrated" in moved.stdout, moved.stderr
     assert client.zk.get(layout.protocol())[0] == b"3"
     assert zkq("stats").returncode == 0
+
+
+def test_bad_lanes_and_bad_counters_stop_nothing(client: Client, start_worker, layout) -> None:
+    """An @default lane (no tenant may have it) is ignored, a queue without its counters node
+    gets one, and counters holding numbers no float holds are read as zero."""
+    zk = client.zk
+    client.ensure_queue("default")
+    zk.create(f"{layout.pending('default', 'normal')}/@default/0000000000", makepath=True)
+    zk.delete(layout.service("default"))
+    zk.create(
+        f"{layout.service('default')}/corrections", b'{"A": 1' + b"0" * 400 + b"}", makepath=True
+    )
+    jobs = client.submit_many(["a"] * 4, tenant="A") + client.submit_many(["b"] * 4, tenant="B")
+    jobs += client.submit_many(["d"] * 2)
+    start_worker(slots=2)
+    assert all(j.result(timeout=20).status == "succeeded" for j in jobs)
+    assert zk.exists(layout.service("default")) is not None
+
+
+def test_a_dead_letter_of_a_tenant_goes_back_to_its_lane(client: Client, layout) -> None:
+    client.ensure_queue("default")
+    bucket = f"{layout.pending('default', 'normal')}/@acme/0000000000"
+    client.submit("seed", tenant="acme", detach=True)  # makes acme's lane
+    zk = client.zk
+    zk.create(f"{bucket}/bad name-", b'{"prompt": "x"}', sequence=True)
+    letter = {
+        "queue": "default",
+        "priority": "normal",
+        "entry": "@acme/0000000000/bad name-0000000001",
+        "id": "rescued",
+        "raw": '{"prompt": "x"}',
+        "name": "normal.@acme.0000000000.x",
+    }
+    zk.create(layout.dead_node("default", letter["name"]), json.dumps(letter).encode())
+    from zkqueue.producer.deadletters import requeue
+
+    name = requeue(zk, layout, letter)
+    assert name.startswith("@acme/"), name

@@ -174,7 +174,7 @@ class HeadTurn:
                 return None
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
-        before = dict(self.share.service)
+        before, costs = dict(self.share.service), dict(self.share.cost)
         for c in picked:
             self.share.charge(c.entry.tenant_name, estimate(c.spec))
         writes = self.share.writes(
@@ -190,7 +190,7 @@ class HeadTurn:
             checks=self.view.guards(lowest),
         )
         if claimed is None:
-            self.share.service = before  # nothing was claimed: nobody was served
+            self.share.service, self.share.cost = before, costs  # nobody was served
             self.view.invalidate()
             return None
         if writes:

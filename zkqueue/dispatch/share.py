@@ -28,6 +28,7 @@ so on; among those promoted into a band, the oldest first, ahead of the band's o
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import logging
@@ -129,6 +130,11 @@ class FairShare:
         if self._read is None:
             self._send()
         read, fix, self._read, self._fix = self._read, self._fix, None, None
+        try:
+            read.get()
+        except NoNodeError:  # a queue made without it (by a producer of another language)
+            with contextlib.suppress(NodeExistsError):
+                self.zk.create(self.layout.service(self.queue), b"", makepath=True)
         if fix is not None:
             self._fixed_at = time.monotonic()
             self.corrected = {t: v for t, v in _read_map(fix).items() if isinstance(v, float)}
@@ -231,7 +237,7 @@ def _read_map(call: Any) -> dict[str, Any]:
         return {}
     if not isinstance(found, dict):
         return {}
-    return {str(k): float(v) if isinstance(v, int | float) else v for k, v in found.items()}
+    return {str(k): v if (n := _number(v)) is None else n for k, v in found.items()}
 
 
 def _counter(raw: Any) -> tuple[float, float | None]:
@@ -239,14 +245,20 @@ def _counter(raw: Any) -> tuple[float, float | None]:
     if not isinstance(raw, dict):
         return 0.0, None
     value, cost = _number(raw.get("service")), _number(raw.get("cost"))
-    return (value if value is not None and value >= 0 else 0.0), (cost if cost else None)
+    return (value if value is not None and value >= 0 else 0.0), (
+        cost if cost is not None and cost > 0 else None
+    )
 
 
 def _number(value: Any) -> float | None:
-    """A finite JSON number as a float (None for anything else)."""
+    """A finite JSON number as a float (None for anything else, a huge integer included)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 class Corrections:
@@ -298,9 +310,7 @@ class Corrections:
 def _corrections(old: Any, delta: dict[str, float]) -> bytes:
     """The corrections with ``delta`` added (entries that are not numbers start from 0)."""
     merged = {
-        str(k): float(v)
-        for k, v in (old.items() if isinstance(old, dict) else ())
-        if isinstance(v, int | float) and math.isfinite(v)
+        str(k): n for k, v in (old.items() if isinstance(old, dict) else ()) if (n := _number(v))
     }
     for tenant, value in delta.items():
         merged[tenant] = round(merged.get(tenant, 0.0) + value, 3)

@@ -42,6 +42,7 @@ from zkqueue.errors import InvalidJob
 from zkqueue.plumbing.watches import remove_child_watch, remove_data_watch
 from zkqueue.protocol import arrival
 from zkqueue.protocol.layout import (
+    TENANT_MARK,
     EntryName,
     Layout,
     bucket_name,
@@ -215,7 +216,7 @@ class PendingView:
         rank = self.priorities.index(lowest) if lowest in self.priorities else 0
         checks = []
         for priority in self.priorities[:rank]:
-            paths = [self._path(priority)]
+            paths = [self._path(path) for path in self.lanes(priority)]  # a bucket opening
             paths += [self._path(t) for t in self._tails() if lane_parts(t[0])[0] == priority]
             checks += [(p, self.versions[p]) for p in paths if p in self.versions]
         return checks
@@ -531,6 +532,8 @@ class PendingView:
             tenant = tenant_of_child(name) if "/" not in priority else None
             if tenant is not None:
                 tenants.append(tenant)
+            elif name.startswith(TENANT_MARK) and "/" not in priority:
+                continue  # a lane no tenant may have (@default, a bad name): ignored
             elif number is None:
                 bad.append(name)  # an entry created outside any bucket
             else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -12,7 +11,7 @@ from kazoo.exceptions import NoNodeError
 
 from zkqueue.errors import CorruptRecord, InvalidJob, JobNotFound
 from zkqueue.protocol import claims
-from zkqueue.protocol.layout import EntryName, Layout, lane
+from zkqueue.protocol.layout import Layout, lane, tenant_of_child
 from zkqueue.protocol.records import DeadLetter
 from zkqueue.protocol.result import Result, Status
 from zkqueue.protocol.spec import JobSpec
@@ -74,9 +73,8 @@ def requeue(zk: KazooClient, layout: Layout, letter: dict[str, Any]) -> str:
         data = JobSpec.from_bytes(letter["raw"].encode()).to_bytes()
     except InvalidJob as exc:
         raise InvalidJob(f"dead letter {letter['name']} cannot be requeued: {exc}") from None
-    tenant = None
-    with contextlib.suppress(InvalidJob, KeyError, TypeError):
-        tenant = EntryName.parse(str(letter["entry"])).tenant or None
+    first = str(letter.get("entry") or "").partition("/")[0]
+    tenant = tenant_of_child(first)  # the lane it was in, even when its own name was bad
     name = claims.requeue(zk, layout, queue, lane(priority, tenant), job_id, letter["name"], data)
     if name is None:
         raise JobNotFound(f"dead letter {letter['name']} changed while requeueing it; try again")

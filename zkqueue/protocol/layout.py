@@ -90,9 +90,11 @@ def lane_parts(path: str) -> tuple[str, str]:
 
 
 def tenant_of_child(name: str) -> str | None:
-    """The tenant whose lane a child of a priority's directory is, None for any other name."""
-    if name.startswith(TENANT_MARK) and _QUEUE_RE.match(name[len(TENANT_MARK) :]):
-        return name[len(TENANT_MARK) :]
+    """The tenant whose lane a child of a priority's directory is, None for any other name
+    (``@default`` included: the default tenant's lane is the priority itself)."""
+    tenant = name[len(TENANT_MARK) :]
+    if name.startswith(TENANT_MARK) and _QUEUE_RE.match(tenant) and tenant != DEFAULT_TENANT:
+        return tenant
     return None
 
 

@@ -9,6 +9,7 @@ line (the only claimer) claims no more than the cap leaves room for (``RunningCa
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -107,9 +108,15 @@ class QueueSettings:
 
 
 def _number(value: Any) -> float | None:
-    """A positive number from JSON (None for anything else)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-    return float(value) if ok else None
+    """A positive finite number from JSON, at least a millisecond's worth (None for anything
+    else, a huge integer included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and number >= 0.001 else None
 
 
 def _limit(value: Any) -> int | None:
