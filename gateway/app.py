@@ -25,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import openai_format as fmt
-from gateway import ratelimits
 from gateway.config import ApiKey, GatewayConfig
 from gateway.errors import (
     AUTH,
@@ -47,6 +46,7 @@ from zkqueue.errors import InvalidJob, ZkqConnectionError, ZkqError
 from zkqueue.producer.aio import AsyncClient, AsyncJob
 from zkqueue.producer.client import Client
 from zkqueue.protocol.layout import DEFAULT_TENANT, check_tenant
+from zkqueue.protocol.spec import estimate_tokens
 
 log = logging.getLogger("zkq.gateway")
 _SHUTDOWN = "the gateway is shutting down and its drain timeout passed first; the job was withdrawn"
@@ -114,7 +114,7 @@ class Gateway:
         grant = None
         try:
             # Rate limits last: a request refused for any other reason takes nothing.
-            cost = ratelimits.estimate(job_request.text, job_request.max_tokens)
+            cost = estimate_tokens(job_request.text, job_request.max_tokens)
             grant = self.limits.admit(key, cost)
             tenant = self._tenant(request, key, job_request.user)
             job = await self._submit(job_request, queue, priority, key, tenant)

@@ -5,10 +5,11 @@ to N times its limits; ``max_pending``, read from ZooKeeper, is the fleet-wide b
 A bucket holds up to a minute's allowance and refills continuously (``requests_per_minute`` / 60
 a second). A request takes one from the requests bucket and, from the tokens bucket, its
 estimate: the prompt's characters / 4 (OpenAI's rule of thumb; the gateway has no tokenizer)
-plus ``max_tokens``. When the job ends the estimate is corrected by its usage (prompt and
-completion tokens), so a short answer gives back what it did not use. A request the buckets
-cannot cover now is answered 429 with ``Retry-After`` (when it could be covered); every answer to
-a key with limits carries OpenAI's headers: ``x-ratelimit-limit-requests``,
+plus ``max_tokens`` (``zkqueue.protocol.spec.estimate_tokens``, the estimate fair share
+charges). When the job ends the estimate is corrected by its usage (prompt and completion
+tokens), so a short answer gives back what it did not use. A request the buckets cannot cover
+now is answered 429 with ``Retry-After`` (when it could be covered); every answer to a key with
+limits carries OpenAI's headers: ``x-ratelimit-limit-requests``,
 ``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests`` (until the bucket is full
 again, as ``1s``, ``6m0s``, ``20ms``) and the same three for tokens.
 """
@@ -156,11 +157,6 @@ class RateLimits:
         if tokens is not None:
             out.update(tokens.headers("tokens"))
         return out
-
-
-def estimate(prompt: str, max_tokens: int) -> int:
-    """A request's tokens before it runs: the prompt's characters / 4, plus max_tokens."""
-    return math.ceil(len(prompt) / 4) + max_tokens
 
 
 def duration(seconds: float) -> str:

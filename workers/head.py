@@ -24,7 +24,14 @@ from zkqueue.dispatch.share import FairShare, estimate
 from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import InvalidJob
 from zkqueue.protocol.claims import Candidate, Claim, Claims
-from zkqueue.protocol.layout import EntryName, Layout, is_generated_id, lane, lane_parts
+from zkqueue.protocol.layout import (
+    EntryName,
+    Layout,
+    in_lane,
+    is_generated_id,
+    lane,
+    lane_parts,
+)
 from zkqueue.protocol.limits import RunningCap
 from zkqueue.protocol.records import DeadLetter
 from zkqueue.protocol.registry import read_records
@@ -237,7 +244,6 @@ class HeadTurn:
             self.view.ctimes.clear()
         for priority in self.view.priorities:
             self.share.observe(priority, self.view.backlogged(priority, exclude))
-        self.share.looked()
 
     def _scan(self, free: int) -> int:
         """How many candidates a turn orders: _SCAN_LIMIT, or where tenants share a priority
@@ -406,9 +412,9 @@ class HeadTurn:
 
     def _letter_malformed(self) -> None:
         for path, names in self.view.malformed.items():
-            priority, mark = path.partition("/")[0], path.partition("/")[2]
+            priority = lane_parts(path)[0]
             for below in names:
-                name = f"{mark}/{below}" if mark else below
+                name = in_lane(path, below)
                 try:
                     data, stat = self.zk.get(self.layout.entry(self.queue, priority, name))
                 except NoNodeError:

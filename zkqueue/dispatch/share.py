@@ -1,29 +1,25 @@
-"""Fair share between tenants inside a priority, and aging across priorities: the order in which
-the head of the line takes the entries of one priority's lanes.
+"""Fair share between tenants inside a priority: the order in which the head of the line takes
+the entries of one priority's lanes (aging, which takes a lane's first entry a priority up, is
+the view's: ``zkqueue.dispatch.view``).
 
 Strict priority between bands stays. Inside a band, the head takes next from the backlogged
 tenant that has received the least weighted service: the *virtual token counter* of Sheng et al.
 (OSDI 2024). A tenant's counter grows by each job's estimated tokens (prompt characters / 4 +
 ``max_new_tokens``: what the job may cost, known before it runs) divided by the tenant's weight
-(queue settings, default 1). A tenant that becomes backlogged again is lifted to the level of
-the tenants already backlogged (within two jobs' cost of the highest counter), so idle time banks
-no credit. Jobs of one tenant
-keep their order (its lane is first come, first served).
+(queue settings, default 1). A backlogged tenant more than two jobs' cost below the highest
+counter is lifted to that level, so idle time banks no credit. Jobs of one tenant keep their
+order (its lane is first come, first served).
 
-The counters live in ZooKeeper (``<queue>/service/<tenant>``, JSON ``{"service": V}``, V in
-weighted tokens; ``<queue>/service/<tenant>/corrections``, ``{"service": D}``, what the jobs
-really cost less their estimates, weighted, written by the workers that ran them a few times
-a minute: ``Corrections``; a tenant's counter is V + D) and survive worker restarts and a
-change of head: a head reads a tenant's counter
-the first time it chooses between tenants, keeps it in memory (only the head claims, so only the
-head charges), and writes the counters it changed into each claim multi that chose between
-tenants (no extra round trip). A claim from a band where one tenant alone waits charges its
-counter in memory only: with nobody to share with, its level does not matter until another
-tenant joins, who is lifted to it.
-
-Aging (``promote_after`` in the queue's settings): the first waiting entry of a lane that has
-waited ``promote_after`` seconds is taken as if it were one priority up, two after twice that, and
-so on; among those promoted into a band, the oldest first, ahead of the band's own entries.
+The counters live in ZooKeeper and survive worker restarts and a change of head. The queue's
+``service`` node holds every tenant's ``{"service": V, "cost": C}`` (V in weighted tokens, C
+the tenant's recent estimated cost per job); ``service/corrections`` holds, per tenant, what its
+jobs really cost less their estimates, weighted, which the workers that ran them add at their
+heartbeat (``Corrections``). A tenant's level is the two together. The head reads the counters
+in the first round trip of every turn where it chose between tenants last time (another head
+may have charged them since), and writes them in each claim multi that chose between tenants
+(no extra round trip). A claim from a band where one tenant alone waits charges its counter in
+memory only: with nobody to share with, its level does not matter until another tenant joins,
+who is lifted to it.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import contextlib
 import heapq
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -42,27 +37,27 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from zkqueue.protocol.layout import EntryName, Layout
-from zkqueue.protocol.spec import JobSpec
+from zkqueue.protocol.result import json_number
+from zkqueue.protocol.spec import JobSpec, estimate_tokens
 
 log = logging.getLogger("zkq.share")
 
-#: The child of a tenant's counter node that holds the workers' corrections.
+#: The child of the counters node that holds the workers' corrections.
 CORRECTIONS = "corrections"
 #: How many jobs' weighted cost a backlogged tenant's counter may lag the highest before it is
 #: lifted (``FairShare.observe``).
 SLACK = 2.0
-#: Characters per prompt token in the estimate (the gateway's rate limits use the same rule).
-CHARS_PER_TOKEN = 4
 
 
 def estimate(spec: JobSpec) -> int:
-    """The tokens a job may cost, known before it runs: its prompt's characters / 4 (or its
-    messages') plus ``max_new_tokens``."""
+    """The tokens a job may cost, known before it runs: its prompt's (or its messages'
+    contents') characters / 4 plus ``max_new_tokens`` (``estimate_tokens``, as the gateway's
+    token rate limits take it)."""
     if spec.messages:
-        chars = sum(len(str(m.get("content", ""))) for m in spec.messages)
+        text = "".join(str(m.get("content", "")) for m in spec.messages)
     else:
-        chars = len(spec.prompt or "")
-    return math.ceil(chars / CHARS_PER_TOKEN) + spec.max_new_tokens
+        text = spec.prompt or ""
+    return estimate_tokens(text, spec.max_new_tokens)
 
 
 @dataclass
@@ -130,17 +125,16 @@ class FairShare:
         if self._read is None:
             self._send()
         read, fix, self._read, self._fix = self._read, self._fix, None, None
-        try:
-            read.get()
-        except NoNodeError:  # a queue made without it (by a producer of another language)
+        counters = _read_map(read)
+        if counters is None:  # a queue made without it (by a producer of another language)
             with contextlib.suppress(NodeExistsError):
                 self.zk.create(self.layout.service(self.queue), b"", makepath=True)
         if fix is not None:
             self._fixed_at = time.monotonic()
-            self.corrected = {t: v for t, v in _read_map(fix).items() if isinstance(v, float)}
-        counters = _read_map(read)
+            found = _read_map(fix) or {}
+            self.corrected = {t: v for t, v in found.items() if isinstance(v, float)}
         self.service = {}
-        for tenant, raw in counters.items():
+        for tenant, raw in (counters or {}).items():
             value, cost = _counter(raw)
             self.service[tenant] = value
             if cost is not None and tenant not in self.cost:
@@ -148,9 +142,6 @@ class FairShare:
         for tenant, fixed in self.corrected.items():
             self.service[tenant] = max(0.0, self.service.get(tenant, 0.0) + fixed)
         self._fresh = True
-
-    def looked(self) -> None:
-        """The turn's looks are over."""
 
     def observe(self, priority: str, tenants: frozenset[str]) -> None:
         """The tenants backlogged in ``priority`` now. Any of them whose counter lies more than
@@ -228,37 +219,30 @@ class FairShare:
                 heapq.heapreplace(heap, (level + steps[tenant], index, tenant, following))
 
 
-def _read_map(call: Any) -> dict[str, Any]:
-    """A JSON object from a pipelined read (empty for a node that is missing or unreadable)."""
+def _read_map(call: Any) -> dict[str, Any] | None:
+    """A JSON object from a pipelined read, numbers as floats: None for a missing node, empty
+    for one that holds no object."""
     try:
         data, _ = call.get()
+    except NoNodeError:
+        return None
+    try:
         found = json.loads(data or b"{}")
-    except (NoNodeError, ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError):
         return {}
     if not isinstance(found, dict):
         return {}
-    return {str(k): v if (n := _number(v)) is None else n for k, v in found.items()}
+    return {str(k): v if (n := json_number(v)) is None else n for k, v in found.items()}
 
 
 def _counter(raw: Any) -> tuple[float, float | None]:
     """(counter, cost per job or None) of one tenant's entry in the counters."""
     if not isinstance(raw, dict):
         return 0.0, None
-    value, cost = _number(raw.get("service")), _number(raw.get("cost"))
+    value, cost = json_number(raw.get("service")), json_number(raw.get("cost"))
     return (value if value is not None and value >= 0 else 0.0), (
         cost if cost is not None and cost > 0 else None
     )
-
-
-def _number(value: Any) -> float | None:
-    """A finite JSON number as a float (None for anything else, a huge integer included)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 class Corrections:
@@ -310,7 +294,9 @@ class Corrections:
 def _corrections(old: Any, delta: dict[str, float]) -> bytes:
     """The corrections with ``delta`` added (entries that are not numbers start from 0)."""
     merged = {
-        str(k): n for k, v in (old.items() if isinstance(old, dict) else ()) if (n := _number(v))
+        str(k): n
+        for k, v in (old.items() if isinstance(old, dict) else ())
+        if (n := json_number(v))
     }
     for tenant, value in delta.items():
         merged[tenant] = round(merged.get(tenant, 0.0) + value, 3)

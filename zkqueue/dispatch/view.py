@@ -47,6 +47,7 @@ from zkqueue.protocol.layout import (
     Layout,
     bucket_name,
     lane,
+    lane_mark,
     lane_parts,
     parse_bucket,
     tenant_of_child,
@@ -171,8 +172,11 @@ class PendingView:
         # tails of the priorities above the best candidate are always the current ones.
         names = {p for p in self.lanes() if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
-        parts = dirty | names | {CLAIMS} | self._tails_above(exclude) | self._sources(want, exclude)
-        parts |= self._uncertain(exclude) | self._aging() | self._idle_tails(exclude)
+        # The best candidate as listed so far: what the tails above it, the uncertain tails and
+        # the idle lanes to list are measured against (one merge, not one each).
+        best = next(self.candidates(set(exclude)), None)
+        parts = dirty | names | {CLAIMS} | self._tails_above(best) | self._sources(want, exclude)
+        parts |= self._uncertain(exclude, best) | self._aging() | self._idle_tails(exclude, best)
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
         peek = self._tails() & dirty if self._waiting else set()
@@ -221,14 +225,13 @@ class PendingView:
             checks += [(p, self.versions[p]) for p in paths if p in self.versions]
         return checks
 
-    def _idle_tails(self, exclude: frozenset[str]) -> set[Part]:
+    def _idle_tails(self, exclude: frozenset[str], best: tuple[str, EntryName] | None) -> set[Part]:
         """The tails of the lanes with no candidate listed in the priorities down to the best
         candidate's, each at most every IDLE_RELIST seconds: a busy head watches nothing, and
         a tenant whose lane ran dry must still be seen when it sends more (its new jobs would
         otherwise wait until every other tenant's had run)."""
         if not any(self.tenants.values()):
             return set()  # one lane a priority: its arrivals are the tail listings' business
-        best = next(self.candidates(set(exclude)), None)
         if best is None:
             return set()
         bands = self.priorities[: self.priorities.index(best[0]) + 1]
@@ -256,14 +259,14 @@ class PendingView:
         top = self.priorities[0]
         return {t for t in self._tails() if lane_parts(t[0])[0] != top} - self._trusted()
 
-    def _uncertain(self, exclude: frozenset[str]) -> set[Part]:
+    def _uncertain(self, exclude: frozenset[str], best: tuple[str, EntryName] | None) -> set[Part]:
         """Tails watched through their data whose listing may be stale, since neither a
         completion nor a raw producer's entry fires a data watch: those holding jobs that were
         running (their completions would be read as candidates), and all of them when the view
         has no candidate (the head wakes from waiting, perhaps to claim from a lower priority
         than a raw entry in one of them). Jobs of this worker (``exclude``) do not count: it
         drops their entries itself. Re-listed, unwatched, in the refresh."""
-        if self._waiting or next(self.candidates(set(exclude)), None) is None:
+        if self._waiting or best is None:
             return set(self.signalled)
         return {
             part
@@ -278,19 +281,15 @@ class PendingView:
         """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
         (one bucket, at most ~1,000 names), since other workers' completions are not watched
         and their entries would otherwise be read as candidates and found gone."""
-        # Between tenants the order follows counters this turn has yet to read (the guess uses
-        # the last turn's): the buckets of a few more candidates than it claims.
-        ahead = want
-        first = islice(self.candidates(set(exclude)), ahead)
+        first = islice(self.candidates(set(exclude)), want)
         return {(lane(p, e.tenant), e.bucket) for p, e in first} - self._trusted()
 
     def _trusted(self) -> set[Part]:
         """Parts whose child watch reports every change (a data watch hears arrivals only)."""
         return self.armed - self.signalled
 
-    def _tails_above(self, exclude: frozenset[str]) -> set[Part]:
+    def _tails_above(self, best: tuple[str, EntryName] | None) -> set[Part]:
         """The listed tail buckets of the priorities ranked above the best candidate's."""
-        best = next(self.candidates(set(exclude)), None)
         above = self.priorities[: self.priorities.index(best[0])] if best else ()
         return {t for t in self._tails() if lane_parts(t[0])[0] in above} - self._trusted()
 
@@ -558,7 +557,7 @@ class PendingView:
         priority, bucket = key
         old = self._parsed.get(key, {})
         parsed: dict[str, EntryName] = {}
-        mark = lane_parts(priority)[1] if "/" in priority else ""
+        mark = lane_mark(priority)
         for leaf in names:
             entry = old.get(leaf)
             if entry is None:

@@ -40,7 +40,7 @@ from zkqueue.operations.serving import serve_registry
 from zkqueue.plumbing.deadline import READ_ERRORS, Deadline
 from zkqueue.producer.client import Client
 from zkqueue.protocol import counts
-from zkqueue.protocol.layout import RESULT_BUCKETS, EntryName, bucket_name, lane_parts
+from zkqueue.protocol.layout import RESULT_BUCKETS, EntryName, bucket_name, in_lane, lane_parts
 from zkqueue.protocol.limits import QueueSettings
 
 log = logging.getLogger("zkq.exporter")
@@ -165,7 +165,6 @@ def _finish_queue(
     probe = {}
     for path, lane_pairs in pairs.items():
         held, unclaimed = 0, []
-        prefix = path.partition("/")[2]
         # The first bucket holding an unclaimed entry has the oldest waiting job; long jobs
         # may pin earlier ones (the first few are listed, one round trip each after the first).
         for i, (bucket, _) in enumerate(lane_pairs[:OLDEST_BUCKETS]):
@@ -175,7 +174,7 @@ def _finish_queue(
                 else zk.get_children_async(layout.bucket(queue, path, bucket))
             )
             names = deadline.children(call)
-            leaf = f"{prefix}/{bucket_name(bucket)}" if prefix else bucket_name(bucket)
+            leaf = in_lane(path, bucket_name(bucket))
             unclaimed = [f"{leaf}/{n}" for n in names if n.split("-")[0] not in claimed]
             held += len(names) - len(unclaimed)
             if unclaimed:

@@ -36,7 +36,7 @@ from kazoo.protocol.states import ZnodeStat
 from zkqueue import defaults
 from zkqueue.errors import CorruptRecord, ZkqConnectionError
 from zkqueue.protocol import result as results
-from zkqueue.protocol.layout import EntryName, Layout, child, entry_job_id
+from zkqueue.protocol.layout import EntryName, Layout, child, entry_job_id, in_lane
 from zkqueue.protocol.nodes import Ticks, descendants, own_untracked
 from zkqueue.protocol.records import Candidate, Claim, ClaimBody, DeadLetter
 from zkqueue.protocol.result import Result
@@ -511,9 +511,8 @@ def requeue(
     outcome = txn.commit()
     if transaction_failed(outcome):
         return None
-    _, lane_dir, bucket, leaf = str(outcome[2]).rsplit("/", 3)
-    name = f"{bucket}/{leaf}"
-    return f"{lane_dir}/{name}" if "/" in priority else name
+    _, bucket, leaf = str(outcome[2]).rsplit("/", 2)
+    return in_lane(priority, f"{bucket}/{leaf}")
 
 
 def move(

@@ -16,7 +16,9 @@ from zkqueue.protocol.layout import (
     RESULT_BUCKETS,
     EntryName,
     Layout,
+    in_lane,
     lane,
+    lane_mark,
     lane_parts,
     parse_bucket,
     tenant_of_child,
@@ -186,7 +188,7 @@ def bucket_entries(
         names = zk.get_children(layout.bucket(queue, priority, bucket))
     except NoNodeError:
         return []
-    tenant = _tenant_mark(priority)
+    tenant = lane_mark(priority)
     parsed = []
     for leaf in names:
         try:
@@ -194,12 +196,6 @@ def bucket_entries(
         except InvalidJob:
             continue
     return sorted(parsed, key=lambda e: e.order)
-
-
-def _tenant_mark(path: str) -> str:
-    """The tenant of a lane as EntryName keeps it ("" for the default tenant's)."""
-    priority, tenant = lane_parts(path)
-    return "" if path == priority else tenant
 
 
 def in_order(zk: KazooClient, layout: Layout, queue: str) -> Iterator[tuple[str, EntryName]]:
@@ -218,11 +214,10 @@ def find(zk: KazooClient, layout: Layout, queue: str, priority: str, job_id: str
     newest first, pipelined a few at a time (a lost reply's entry is in the tail)."""
     prefix = f"{job_id}-"
     newest_first = buckets(zk, layout, queue, priority)[::-1]
-    lane_dir = priority.partition("/")[2]
     for bucket, leaves in _leaves(zk, layout, queue, priority, newest_first):
         leaf = next((n for n in leaves if n.startswith(prefix)), None)
         if leaf is not None:
-            return f"{lane_dir}/{bucket:010d}/{leaf}" if lane_dir else f"{bucket:010d}/{leaf}"
+            return in_lane(priority, f"{bucket:010d}/{leaf}")
     return None
 
 
@@ -235,12 +230,11 @@ def find_many(
     found: dict[str, tuple[str, str]] = {}
     for priority in defaults.PRIORITIES:
         for path in lanes(zk, layout, queue, priority):
-            lane_dir = path.partition("/")[2]
             numbers = buckets(zk, layout, queue, path)
             for bucket, leaves in _leaves(zk, layout, queue, path, numbers):
                 for leaf in leaves:
                     job_id = leaf.rpartition("-")[0]
                     if job_id in job_ids and job_id not in found:
                         name = f"{bucket:010d}/{leaf}"
-                        found[job_id] = (priority, f"{lane_dir}/{name}" if lane_dir else name)
+                        found[job_id] = (priority, in_lane(path, name))
     return found

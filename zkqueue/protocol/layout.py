@@ -89,6 +89,17 @@ def lane_parts(path: str) -> tuple[str, str]:
     return priority, rest[len(TENANT_MARK) :] if rest else DEFAULT_TENANT
 
 
+def lane_mark(path: str) -> str:
+    """The tenant of a lane as ``EntryName.tenant`` keeps it: "" for the priority's own."""
+    return path.partition("/")[2][len(TENANT_MARK) :]
+
+
+def in_lane(path: str, name: str) -> str:
+    """A name below a lane (``<bucket>[/<id>-<seq>]``) as a name below its priority."""
+    lane_dir = path.partition("/")[2]
+    return f"{lane_dir}/{name}" if lane_dir else name
+
+
 def tenant_of_child(name: str) -> str | None:
     """The tenant whose lane a child of a priority's directory is, None for any other name
     (``@default`` included: the default tenant's lane is the priority itself)."""

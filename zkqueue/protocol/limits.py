@@ -9,7 +9,6 @@ line (the only claimer) claims no more than the cap leaves room for (``RunningCa
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from zkqueue.errors import InvalidJob, QueueFull
 from zkqueue.protocol import counts
 from zkqueue.protocol.counts import tenant_waiting
 from zkqueue.protocol.layout import DEFAULT_TENANT, Layout, check_tenant
+from zkqueue.protocol.result import json_number
 
 #: Seconds a producer trusts its copy of a queue's settings.
 _CACHE_SECONDS = 5.0
@@ -110,13 +110,8 @@ class QueueSettings:
 def _number(value: Any) -> float | None:
     """A positive finite number from JSON, at least a millisecond's worth (None for anything
     else, a huge integer included)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) and number >= 0.001 else None
+    number = json_number(value)
+    return number if number is not None and number >= 0.001 else None
 
 
 def _limit(value: Any) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,18 @@ def read_json(data: bytes | None, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CorruptRecord(f"{what} is not a JSON object")
     return value
+
+
+def json_number(value: Any) -> float | None:
+    """A finite JSON number as a float: None for anything else, booleans and integers too
+    large for a float included (a record written by any client may hold them)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 class Status(enum.StrEnum):

@@ -36,6 +36,9 @@ _FIELDS = ("v", "prompt", "max_new_tokens", *PARAMS, *PREEMPTION_FIELDS)
 #: At most this many stop strings, each at most this many characters.
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+#: Characters per token in zkq's estimates before a job runs (OpenAI's rule of thumb: neither
+#: the gateway nor the head of the line has the model's tokenizer).
+CHARS_PER_TOKEN = 4
 #: Chat roles a job's ``messages`` may use.
 ROLES = ("system", "user", "assistant")
 
@@ -305,3 +308,9 @@ def parse_submission(
         known = ", ".join(("prompt", "priority", "queue", "max_new_tokens", "job_id", *PARAMS))
         raise InvalidJob(f"unknown field(s): {', '.join(map(str, unknown))} (known: {known})")
     return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit), job_id)
+
+
+def estimate_tokens(text: str, max_new_tokens: int) -> int:
+    """The tokens a job may cost, known before it runs: its text's characters / 4 plus the
+    tokens it may generate (fair share charges it; the gateway's token rate limits take it)."""
+    return math.ceil(len(text) / CHARS_PER_TOKEN) + max_new_tokens
