@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import threading
 
-from workers.admission import Admission, Verdict
+import pytest
+
+from workers.admission import Admission, Verdict, high_width
+from workers.calibration import Slots
+from workers.options import WorkerOptions, high_width_for
+from zkqueue.errors import ConfigurationError
 from zkqueue.protocol.spec import JobSpec
 
 
@@ -97,3 +102,34 @@ def test_the_ledger_is_thread_safe() -> None:
 def test_without_a_cache_everything_fits() -> None:
     d = Admission().judge(JobSpec(prompt="x"))
     assert (d.verdict, d.pages) == (Verdict.ADMIT, 0)
+
+
+def test_the_high_width_is_the_widest_batch_within_half_again_of_a_lone_requests_speed() -> None:
+    # Measured on the tiny model on the CPU (BENCHMARKS.md): ms per token 1.4, 1.8, 1.8, 3.0...
+    curve = [(1, 706.0), (2, 1133.0), (4, 2188.0), (8, 2658.0), (16, 3206.0), (32, 3011.0)]
+    assert high_width(curve) == 4
+    # A GPU-like curve, where a wider batch costs a step little, stays wide.
+    flat_steps = [(1, 100.0), (2, 200.0), (4, 400.0), (8, 790.0), (16, 1500.0), (32, 2500.0)]
+    assert high_width(flat_steps) == 32
+    # A size past the bound ends the width even if a wider one measured faster (noise).
+    assert high_width([(1, 100.0), (2, 100.0), (4, 400.0)]) == 1
+    assert high_width([]) is None
+
+
+class _Runner:
+    def __init__(self, curve: list[tuple[int, float]]) -> None:
+        self.slots = Slots(16, "measured", tuple(curve))
+
+
+def test_the_high_width_setting() -> None:
+    curve = [(1, 706.0), (2, 1133.0), (4, 2188.0), (8, 2658.0), (16, 3206.0)]
+    assert high_width_for(WorkerOptions(), _Runner(curve), 16) == 4
+    assert high_width_for(WorkerOptions(), _Runner([]), 16) is None  # no curve: no limit
+    assert high_width_for(WorkerOptions(), object(), 16) is None
+    assert high_width_for(WorkerOptions(high_width="off"), _Runner(curve), 16) is None
+    assert high_width_for(WorkerOptions(high_width=3), object(), 16) == 3
+    assert high_width_for(WorkerOptions(high_width="3"), object(), 16) == 3
+    assert high_width_for(WorkerOptions(high_width=16), object(), 16) is None  # as wide
+    for bad in ("0", 0, "-2", "some", 2.5, True):
+        with pytest.raises(ConfigurationError, match="high_width must be auto, off or"):
+            WorkerOptions(high_width=bad)  # type: ignore[arg-type]

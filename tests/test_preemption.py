@@ -12,6 +12,7 @@ from tests.runners import HoldRunner
 from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
+from zkqueue.protocol.layout import is_line_member
 from zkqueue.protocol.spec import JobSpec
 
 
@@ -178,3 +179,78 @@ def test_preemptions_per_minute_are_capped(
     assert handle.worker.stats.preempted == 1
     runner.release_all()
     assert second.result(timeout=10).ok
+
+
+def _in_line(client: Client) -> int:
+    """Members of the default queue's line (workers with a slot free for any job)."""
+    names = client.zk.get_children(client.layout.line("default"))
+    return sum(is_line_member(n) for n in names)
+
+
+def test_while_a_high_job_runs_the_worker_holds_no_more_than_its_high_width(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, lows = _full_worker(start_worker, client, slots=4, waiting=3, high_width=2)
+    first = client.submit("urgent-1", priority="high", detach=True)
+    wait_for(lambda: "urgent-1" in runner.running(), message="the high job running")
+    assert handle.worker.stats.preempted == 1  # one low job given back for it, as before
+    running_lows = [p for p in runner.running() if p.startswith("low-")]
+    assert len(running_lows) == 3
+    # Two low jobs end: their slots are not given to the low jobs waiting (4 of them), since
+    # the worker already holds more than 2; it stands in no line meanwhile.
+    for prompt in running_lows[:2]:
+        runner.release(prompt)
+    wait_for(lambda: handle.worker.busy == 2, message="two low jobs ended")
+    flush_watches(handle.worker.zk)
+    assert _in_line(client) == 0
+    assert sorted(runner.running()) == sorted([running_lows[2], "urgent-1"])
+    # A second high job takes a free slot, with nothing given back.
+    second = client.submit("urgent-2", priority="high", detach=True)
+    wait_for(lambda: "urgent-2" in runner.running(), message="the second high job running")
+    assert handle.worker.stats.preempted == 1
+    assert len(runner.running()) == 3
+    handed_in = [j.spec.prompt for j in runner.jobs]
+    assert handed_in[4:] == ["urgent-1", "urgent-2"]  # no low job in between
+    # The high jobs end: the worker fills its slots with low jobs again.
+    runner.release("urgent-1", "urgent-2")
+    assert first.result(timeout=10).ok and second.result(timeout=10).ok
+    wait_for(lambda: len(runner.running()) == 4, message="every slot busy with low jobs again")
+    runner.release_all()
+    results = [client.job(job_id).result(timeout=15) for job_id in lows]
+    assert all(r.ok for r in results)
+    assert len(result_ids(client)) == len(lows) + 2
+
+
+def test_with_high_width_off_a_low_job_refills_the_slot_beside_a_high_one(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, _ = _full_worker(start_worker, client, slots=4, waiting=3, high_width="off")
+    client.submit("urgent", priority="high", detach=True)
+    wait_for(lambda: "urgent" in runner.running(), message="the high job running")
+    running_lows = [p for p in runner.running() if p.startswith("low-")]
+    runner.release(running_lows[0])
+    wait_for(
+        lambda: len(runner.running()) == 4 and running_lows[0] not in runner.running(),
+        message="a low job in the freed slot",
+    )
+    assert handle.worker.high_width is None
+    runner.release_all()
+
+
+def test_a_narrowed_worker_takes_a_high_job_into_a_free_slot_with_preemption_off(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    runner, handle, _ = _full_worker(
+        start_worker, client, slots=4, waiting=2, high_width=2, preempt=False
+    )
+    first = client.submit("urgent-1", priority="high", detach=True)
+    runner.release("low-0")  # no preemption: the high job waits for this slot
+    wait_for(lambda: "urgent-1" in runner.running(), message="the high job in the freed slot")
+    runner.release("low-1", "low-2")
+    wait_for(lambda: handle.worker.busy == 2, message="two more low jobs ended")
+    second = client.submit("urgent-2", priority="high", detach=True)
+    wait_for(lambda: "urgent-2" in runner.running(), message="the second high job running")
+    assert sorted(runner.running()) == ["low-3", "urgent-1", "urgent-2"]
+    assert handle.worker.stats.preempted == 0
+    runner.release_all()
+    assert first.result(timeout=10).ok and second.result(timeout=10).ok

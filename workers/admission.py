@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zkqueue.protocol.spec import JobSpec
@@ -105,3 +105,30 @@ class Admission:
     def release(self, pages: int) -> None:
         with self._lock:
             self._promised = max(0, self._promised - pages)
+
+
+#: While a high-priority job runs, a worker holds lower-priority jobs only up to a narrower
+#: batch (``high_width``): the largest size at which one request's time per generated token is
+#: at most this many times the shortest measured. The knee trades each request's
+#: speed for the batch's throughput; an urgent job should not pay for that trade. 1.5 keeps the
+#: urgent job's steps within half again of a lone request's (on the tiny model on the CPU: 4
+#: requests, against a knee of 16 to 32); on a GPU, where a wider batch costs a step little,
+#: the width follows the curve and stays wide.
+HIGH_SLOWDOWN = 1.5
+
+
+def high_width(curve: Sequence[tuple[int, float]], slowdown: float = HIGH_SLOWDOWN) -> int | None:
+    """The narrowed batch for ``curve`` (calibration points ``(requests in flight, tokens/s)``,
+    smallest first): the largest size up to which every size measured keeps one request's time
+    per token (``size / tokens/s``) within ``slowdown`` of the shortest such time measured.
+    None for an empty curve."""
+    per_token = [(n, n / tok_s if tok_s > 0 else math.inf) for n, tok_s in curve]
+    if not per_token:
+        return None
+    bound = slowdown * min(t for _, t in per_token)
+    width = per_token[0][0]
+    for n, t in per_token[1:]:
+        if t > bound:
+            break
+        width = n
+    return width

@@ -188,6 +188,14 @@ _MAX_RESULT_BYTES = click.option(
     help="Preemptions this worker makes in any minute at most.",
 )
 @click.option(
+    "--high-width",
+    default="auto",
+    show_default=True,
+    metavar="auto|off|N",
+    help="Jobs held at most while a high-priority job runs: lower ones that end are not "
+    "replaced beyond it, so the urgent job's steps stay short (auto: from the calibration).",
+)
+@click.option(
     "--stream/--no-stream",
     default=True,
     show_default=True,

@@ -113,12 +113,14 @@ def _serve(
 
     def ready() -> None:
         notifier.ready(f"worker {worker.id} on queue {opts.queue}")
+        narrowed = worker.high_width
         log.info(
-            "registered worker %s on queue %s: runner %s, %d slot(s), cache %s",
+            "registered worker %s on queue %s: runner %s, %d slot(s)%s, cache %s",
             worker.id,
             opts.queue,
             runner.name,
             opts.max_concurrency,
+            "" if narrowed is None else f" ({narrowed} while a high-priority job runs)",
             _cache_text(admission),
         )
 

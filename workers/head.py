@@ -59,6 +59,9 @@ class Swap(Protocol):
 
     #: KV-cache pages of the jobs it may give back (they count as free when judging).
     credit: int
+    #: Entries it may claim into free slots, with nothing given back (a narrowed worker's room
+    #: for high-priority jobs; the running cap applies to these).
+    room: int
 
     def pair(self, picked: list[Candidate]) -> tuple[list[Candidate], list[tuple[Claim, bytes]]]:
         """The candidates that get a job to displace (in order), and what to give back for
@@ -124,7 +127,8 @@ class HeadTurn:
         race was lost. With ``swap`` (a busy line's head preempting: ``workers.preemption``)
         ``free`` is how many jobs it may give back; each entry claimed is paired with one of
         them, given back in the claim's multi, so the jobs running stay as many (the running
-        cap does not apply) and the given-back pages count as free."""
+        cap does not apply) and the given-back pages count as free; ``free`` also counts the
+        swap's ``room``, entries claimed with nothing given back (the cap applies to those)."""
         # A turn is two round trips: the first asks whether we are head (when our predecessor
         # left, or we rejoined a line we were alone in), re-lists claims/ and the buckets the
         # first candidates come from, and reads the candidates we expect to claim; the second
@@ -162,7 +166,13 @@ class HeadTurn:
             self._skip = stale.index(ordered[0]) if ordered and ordered[0] in stale else None
         self._letter_malformed()
         self._gone = 0
-        cap = None if swap is not None else self.cap.value
+        cap = self.cap.value
+        if swap is not None:
+            if cap is not None and swap.room > 0:
+                room = max(0, min(swap.room, cap - len(self.view.claimed)))
+                free -= swap.room - room
+                swap.room = room
+            cap = None
         want = free if cap is None else min(free, cap - len(self.view.claimed))
         self.capped = want < free
         if self.capped:

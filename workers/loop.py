@@ -26,12 +26,13 @@ from workers.events import WATCHES, Event, State
 from workers.head import HeadTurn
 from workers.liveness import Liveness
 from workers.metrics import WorkerMetrics
-from workers.options import WorkerOptions, default_worker_id, slots_for
+from workers.options import WorkerOptions, default_worker_id, high_width_for, slots_for
 from workers.preemption import Preemption, PreemptionPolicy
 from workers.runners.base import CancelReason, Outcome, Runner, RunningJob
 from workers.runners.gate import Gate
 from workers.stats import WorkerStats
 from workers.streams import StreamServer
+from zkqueue.defaults import Priority
 from zkqueue.dispatch.line import Line
 from zkqueue.dispatch.share import Corrections
 from zkqueue.dispatch.view import PendingView
@@ -68,6 +69,8 @@ class Worker:
         self.layout = Layout(opts.root)
         self.admission = admission or Admission()
         self.slots = slots_for(opts, self.admission.pages_total, runner)
+        #: Jobs held at most while a high-priority job runs (None: the slots).
+        self.high_width = high_width_for(opts, runner, self.slots)
         self.id = opts.name or default_worker_id()
         #: Prometheus metrics (served by the daemon's --metrics-port).
         self.metrics = metrics or WorkerMetrics()
@@ -87,6 +90,7 @@ class Worker:
             queue=self.queue,
             runner=runner.name,
             slots_max=self.slots,
+            high_width=self.high_width,
             runner_info=describe(runner),
         )
         self.registry = Registry(zk, self.layout, record)
@@ -319,8 +323,26 @@ class Worker:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _free_slots(self) -> int:
-        free = self.slots - self.busy
+    def _room(self, ending: frozenset[str] = frozenset()) -> int:
+        """Slots free for a job of any priority once the held jobs named in ``ending`` are
+        gone: the slots, or while a high-priority job runs, the narrower ``high_width``
+        (lower-priority jobs that end are not replaced beyond it, so the urgent job's steps
+        stay short; a high job may still take any free slot: ``_high_room``)."""
+        staying = [job for name, job in self.held.items() if name not in ending]
+        free = self.slots - len(staying)
+        if self.high_width is not None and any(j.priority == Priority.HIGH for j in staying):
+            free = min(free, self.high_width - len(staying))
+        return free
+
+    def _high_room(self) -> int:
+        """Slots a narrowed worker (``_room``) has free for high-priority jobs alone; it takes
+        them as a busy line's head (``workers.preemption``), not from the line."""
+        if self._room() > 0 or self.slots - self.busy <= 0:
+            return 0
+        return self._free_slots(self.slots - self.busy)
+
+    def _free_slots(self, free: int | None = None) -> int:
+        free = self._room() if free is None else free
         room = None if self.gate is None else self.gate.room()
         if room is not None:  # the server's room (0 when it is full or down)
             free = min(free, room)
@@ -339,7 +361,8 @@ class Worker:
             if self.line.joined and self.state == State.RUNNING:
                 self._leave_line()  # the gate shut while we stood in the line: let others by
             if self.state == State.RUNNING and self._room_after() and self._may_preempt():
-                self._hand_in(self.preemption.turn(self.held))  # every slot busy
+                # Every slot busy, or every slot a lower job may take (narrowed).
+                self._hand_in(self.preemption.turn(self.held, room=self._high_room()))
             else:
                 self.preemption.leave()
             return
@@ -408,10 +431,14 @@ class Worker:
 
     def _complete(self) -> None:
         if self.completer.queued and not self.liveness.suspended:
+            ending = frozenset(
+                job.claim.entry.name for job, _ in self.completer.queued if job.claim is not None
+            )
             rejoin = (
                 self.state == State.RUNNING
                 and not self.line.joined
                 and self._room_after()
+                and self._room(ending) > 0
                 and (self.gate is None or self.gate.room() != 0)
             )
             self.completer.flush(rejoin)
@@ -429,7 +456,7 @@ class Worker:
         gate = self.gate
         if gate is None:
             return True
-        return gate.up and (self.slots - self.busy <= 0 or gate.server_busy)
+        return gate.up and (self._room() <= 0 or gate.server_busy)
 
     def _runner_figures(self, record: WorkerRecord) -> None:
         """The server's figures and the gate's state, for the registration's ``engine``."""

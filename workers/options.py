@@ -8,6 +8,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 
+from workers.admission import high_width
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError
 from zkqueue.protocol.layout import check_queue, check_root, check_worker_name
@@ -49,6 +50,11 @@ class WorkerOptions:
     preempt_protect: float = defaults.PREEMPT_PROTECT
     #: Preemptions this worker makes in any minute at most.
     preempt_per_minute: int = defaults.PREEMPT_PER_MINUTE
+    #: Jobs this worker holds at most while it runs a high-priority job: lower-priority jobs
+    #: that end are not replaced beyond it, so the urgent job's engine steps stay short
+    #: (``workers.admission.high_width``). "auto": from the calibration's curve (no limit
+    #: without one); "off": no limit; or a number.
+    high_width: int | str = "auto"
 
     #: Serve streaming jobs' output to their readers directly (``workers.streams``); off: it
     #: goes through the jobs' claims in ZooKeeper, a few times a second.
@@ -121,6 +127,7 @@ class WorkerOptions:
             from workers.streams import split_address
 
             split_address(self.stream_bind, "--stream-bind")
+        _check_high_width(self.high_width)
         if self.drain_timeout < 0:
             raise ConfigurationError(f"drain_timeout must not be negative: {self.drain_timeout}")
 
@@ -142,6 +149,35 @@ _POSITIVE = (
     "preempt_protect",
     "upstream_timeout",
 )
+
+
+def _check_high_width(value: int | str) -> None:
+    if value in ("auto", "off"):
+        return
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if isinstance(value, bool) or number < 1 or str(number) != str(value).strip():
+        raise ConfigurationError(
+            f"high_width must be auto, off or a number of jobs (at least 1), not {value!r}"
+        )
+
+
+def high_width_for(opts: WorkerOptions, runner: object, slots: int) -> int | None:
+    """The jobs a worker holds at most while it runs a high-priority job (None: no limit, or
+    one at least as wide as its slots): the setting, or with "auto" the width its runner's
+    calibration curve gives (``runner.slots.curve``; none without a curve)."""
+    setting = opts.high_width
+    if setting == "off":
+        return None
+    if setting == "auto":
+        chosen = getattr(runner, "slots", None)
+        curve = getattr(chosen, "curve", ())
+        width = high_width(curve) if curve else None
+    else:
+        width = int(setting)
+    return None if width is None or width >= slots else max(1, width)
 
 
 def default_worker_id() -> str:

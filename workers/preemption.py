@@ -27,6 +27,13 @@ priority first and among them the newest (the least work lost). Never a job whos
 already reads its output (a stream with some output), nor one preempted less than
 ``protect`` seconds ago; at most ``per_minute`` preemptions a minute per worker. So preemption
 cannot thrash: a low job under a steady stream of high ones still advances between them.
+
+A worker narrowed for a high job (``Worker._room``: while it runs one, it holds lower jobs only
+up to its ``high_width``) has free slots for high jobs alone. It stands in no line then, but in
+a busy line (its victims' floor, else ``normal``, whose view is the high priority alone), and as
+its head fills those slots with high jobs before it gives anything back (``_Swap.room``), with
+preemption off too. Taking a free slot loses no work, so it defers only to a worker of the line,
+not to a busy line of a lower floor.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from workers.head import HeadTurn
 from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, RunningJob
 from zkqueue import defaults
+from zkqueue.defaults import Priority
 from zkqueue.dispatch.line import Line
 from zkqueue.dispatch.view import PendingView
 from zkqueue.errors import SpecTooLarge
@@ -72,20 +80,28 @@ class PreemptionPolicy:
 
 @dataclass
 class _Swap:
-    """The pairing of one turn: candidates in dispatch order with victims, lowest first."""
+    """The pairing of one turn: candidates in dispatch order with victims, lowest first, or
+    with a slot a narrowed worker keeps for high-priority jobs (``room``: no victim)."""
 
     victims: list[RunningJob]
     now: float
+    room: int = 0
     credit: int = 0
-    chosen: list[tuple[Candidate, RunningJob]] = field(default_factory=list)
+    #: Each candidate taken, with the job it displaces (None: it took a free slot).
+    chosen: list[tuple[Candidate, RunningJob | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.credit = sum(v.pages for v in self.victims)
 
     def pair(self, picked: list[Candidate]) -> tuple[list[Candidate], list[tuple[Claim, bytes]]]:
         left = list(self.victims)
+        room = self.room
         self.chosen = []
         for cand in picked:
+            if room > 0 and cand.priority == Priority.HIGH:
+                room -= 1  # a free slot loses no work: before any victim
+                self.chosen.append((cand, None))
+                continue
             victim = next((v for v in left if _RANK[v.priority] > _RANK[cand.priority]), None)
             if victim is None:
                 continue
@@ -93,8 +109,9 @@ class _Swap:
             self.chosen.append((cand, victim))
         give_back = []
         for _, victim in self.chosen:
-            assert victim.claim is not None and victim.given_back is not None
-            give_back.append((victim.claim, victim.given_back))
+            if victim is not None:
+                assert victim.claim is not None and victim.given_back is not None
+                give_back.append((victim.claim, victim.given_back))
         return [c for c, _ in self.chosen], give_back
 
 
@@ -150,17 +167,21 @@ class Preemption:
     def lines(self) -> list[Line]:
         return [turn.line for turn in self._turns.values()]
 
-    def turn(self, held: dict[str, RunningJob]) -> list[tuple[Claim, int]]:
+    def turn(self, held: dict[str, RunningJob], room: int = 0) -> list[tuple[Claim, int]]:
         """One step of a full worker: stand in the right busy line (or leave it) and, at its
-        head, preempt for what waits above its floor. Returns what was claimed (to hand in)."""
-        if not self.policy.enabled:
+        head, preempt for what waits above its floor. ``room``: slots this worker keeps free
+        for high-priority jobs alone (it is narrowed: ``Worker._room``), which it fills before
+        it gives anything back, with preemption off too. Returns what was claimed (to hand
+        in)."""
+        if not self.policy.enabled and room <= 0:
             return []
         now = time.monotonic()
         while self._recent and now - self._recent[0] > 60.0:
             self._recent.popleft()
         allowed = self.policy.per_minute - len(self._recent)
-        victims = self._victims(held)[: max(0, allowed)]
-        floor = victims[0].priority if victims else None
+        victims = self._victims(held)[: max(0, allowed)] if self.policy.enabled else []
+        # The floor's view watches the priorities above it: with room alone, the high one.
+        floor = victims[0].priority if victims else PREEMPTIBLE[0] if room > 0 else None
         if floor != self.floor:
             self.leave()
         if floor is None:
@@ -172,10 +193,10 @@ class Preemption:
         if turn.line.known is False:
             turn.drop_watches()
             return []  # waiting for the predecessor to leave
-        if self._others_first(floor):
+        if self._others_first(floor, taking_room=room > 0):
             return []
-        swap = _Swap(victims, time.time())
-        claimed = turn.turn(len(victims), set(held), rejoin_if_room=True, swap=swap)
+        swap = _Swap(victims, time.time(), room)
+        claimed = turn.turn(len(victims) + room, set(held), rejoin_if_room=True, swap=swap)
         if claimed is None:
             self._post(Event.WAKE)  # lost a race: look again
             return []
@@ -208,13 +229,14 @@ class Preemption:
         found.sort(key=_newest_lowest, reverse=True)
         return found
 
-    def _others_first(self, floor: str) -> bool:
+    def _others_first(self, floor: str, taking_room: bool = False) -> bool:
         """Whether a worker better placed to take an urgent job exists: a member of the line
-        (a free slot) or of a busy line of a lower floor. Listed, not watched: a watch on the
-        line would wake this worker whenever any worker frees or fills a slot. Should they
-        leave an urgent job behind (a line's head with fewer free slots than urgent jobs), this
-        worker finds it at its next heartbeat (``recheck``)."""
-        lower = PREEMPTIBLE[PREEMPTIBLE.index(floor) + 1 :]
+        (a free slot) or, unless this one has ``room`` for it too, of a busy line of a lower
+        floor. Listed, not watched: a watch on the line would wake this worker whenever any
+        worker frees or fills a slot. Should they leave an urgent job behind (a line's head
+        with fewer free slots than urgent jobs), this worker finds it at its next heartbeat
+        (``recheck``)."""
+        lower = [] if taking_room else PREEMPTIBLE[PREEMPTIBLE.index(floor) + 1 :]
         paths = [self.layout.line(self.queue)]
         paths += [self.layout.busy_line(self.queue, f) for f in lower]
         calls = [self.zk.get_children_async(path) for path in paths]
@@ -228,6 +250,8 @@ class Preemption:
 
     def _gave_back(self, swap: _Swap, now: float) -> None:
         for cand, victim in swap.chosen:
+            if victim is None:
+                continue  # a free slot
             self._recent.append(now)
             self.preempted += 1
             victim.cancel(CancelReason.PREEMPTED)

@@ -47,9 +47,12 @@ from zkqueue.testing import ZkCluster
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_ROOT = "/bench-priority"
 #: The flags each configuration adds to ``zkq worker`` (the defaults are the new admission and
-#: preemption; "before" is what a worker did before both: up to 256 jobs in flight).
+#: preemption; "wide" keeps the knee's width while a high job runs, as workers did before
+#: ``--high-width``; "before" is what a worker did before the knee and preemption: up to 256
+#: jobs in flight, no preemption).
 CONFIGS = {
     "default": [],
+    "wide": ["--high-width", "off"],
     "no-preempt": ["--no-preempt"],
     "before": ["--no-preempt", "--max-concurrency", "256"],
 }
@@ -117,6 +120,7 @@ def phase_idle(client: Client, queue: str, prompt: str, highs: int, new: int) ->
 def phase_load(
     client: Client, queue: str, prompt: str, lows: int, highs: int, new: int, after: float
 ) -> dict[str, Any]:
+    began = time.time()
     low_jobs = client.submit_many(
         [job_spec(f"{prompt} {i}", new) for i in range(lows)], priority="low", queue=queue
     )
@@ -146,6 +150,8 @@ def phase_load(
         "places": places,
         "lows_ended": len(ended),
         "lows_ended_after_highs_sent": preempted,
+        # Low jobs finished a second until the last high one ended (the cost of narrowing).
+        "lows_per_s": sum(1 for t in ended if t <= done_by) / (done_by - began),
         "highs_done_after_s": done_by - sent,
         "ok": sum(r.ok for r in records),
     }
@@ -254,10 +260,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[str]:
         idle = statistics.median(r["idle"]["p50_s"] for r in group)
         load = statistics.median(r["load"]["p50_s"] for r in group)
         ratios = [r["ratio"] for r in group]
+        lows = statistics.median(r["load"].get("lows_per_s", 0.0) for r in group)
         lines.append(
             f"{key[0]} worker(s) {key[1]:10s} runs {len(group)}: idle p50 {idle:.2f}s, loaded "
             f"p50 {load:.2f}s, ratio median x{statistics.median(ratios):.2f} "
-            f"(runs: {', '.join(f'{x:.2f}' for x in ratios)})"
+            f"(runs: {', '.join(f'{x:.2f}' for x in ratios)}), low jobs/s {lows:.2f}"
         )
     return lines
 

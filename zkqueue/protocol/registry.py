@@ -30,6 +30,8 @@ class WorkerRecord:
     queue: str
     runner: str
     slots_max: int
+    #: Jobs it holds at most while it runs a high-priority job (None: ``slots_max``).
+    high_width: int | None = None
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     state: str = "starting"
