@@ -99,6 +99,12 @@ def test_preemption_forced_often_with_a_worker_killed(zk_cluster: ZkCluster) -> 
     assert report.checks["high jobs waited less than low ones"]
 
 
+def test_preemption_forced_often_with_narrowed_workers(zk_cluster: ZkCluster) -> None:
+    report = preempt.narrowed_preemption_storm(lows=24, highs=8, workers=2, hosts=zk_cluster.hosts)
+    assert_promise_held(report)
+    assert report.checks["high jobs waited less than low ones"]
+
+
 # -- regressions for bugs the scenarios found -----------------------------------------------
 
 

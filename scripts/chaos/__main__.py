@@ -41,6 +41,7 @@ FULL: dict[str, dict[str, Any]] = {
     "hung": {"jobs": 40, "workers": 3},
     "garbage": {"jobs": 100, "workers": 3},
     "preempt": {"lows": 60, "highs": 16, "workers": 3},
+    "preempt-narrow": {"lows": 60, "highs": 16, "workers": 3},
 }
 #: Sizes of --quick: those of tests/test_chaos.py.
 QUICK: dict[str, dict[str, Any]] = {
@@ -51,6 +52,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "hung": {"jobs": 6, "workers": 1},
     "garbage": {"jobs": 8, "workers": 2},
     "preempt": {"lows": 24, "highs": 8, "workers": 2},
+    "preempt-narrow": {"lows": 24, "highs": 8, "workers": 2},
 }
 
 #: What each fault stands for in production and what the system is expected to do about it.
@@ -102,6 +104,13 @@ EXPLAIN: dict[str, str] = {
         "attempt), and its old claim can no longer complete it. Preemption protection is cut to "
         "0.5 s so the same low job can be preempted again and again, and one worker is killed "
         "with -9 mid-run. Every low job still ends succeeded exactly once."
+    ),
+    "preempt-narrow": (
+        "The same storm with workers that hold one job at most beside their high ones "
+        "(`--high-width 1`): a low job that ends beside a high one is not replaced, and the "
+        "next high job takes that free slot, with nothing given back, before the worker "
+        "preempts anything. Claims into free slots and preemptions interleave; a worker is "
+        "killed with -9 mid-run. Every job still ends succeeded exactly once."
     ),
     "garbage": (
         "Any client can write anything under `pending/`: entries that are not JSON, not UTF-8, "

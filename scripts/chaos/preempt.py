@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from scripts.chaos.audit import Audit, ChaosReport, expect
 from scripts.chaos.load import drain, feed, spawn_fleet
@@ -22,6 +23,7 @@ def preemption_storm(
     high_every: float = 1.0,
     session_timeout: float = 3.0,
     hosts: str | None = None,
+    high_width: int | None = None,
 ) -> ChaosReport:
     """Low jobs faster than ``workers`` x ``slots`` echo slots serve them, so every slot is
     busy; jobs last ``delay`` seconds, long against the time a preemption takes, so that a high
@@ -29,16 +31,22 @@ def preemption_storm(
     slots a slot frees every 0.25 s, and a loaded run once saw no preemption at all); a high
     job every ``high_every`` seconds, each taking the slot of a low one
     (``--preempt-protect 0.5``: the same low job may be preempted again half a second later);
-    one worker killed with -9 once the preemptions have begun, and a replacement started."""
+    one worker killed with -9 once the preemptions have begun, and a replacement started.
+    With ``high_width`` the workers also narrow while they run a high job (``--high-width``):
+    low jobs that end are not replaced beyond it, and later high jobs take those free slots
+    with nothing given back."""
     started = time.monotonic()
+    narrowed = "" if high_width is None else f", {high_width} job(s) held beside a high one"
     report = ChaosReport(
-        "preempt",
+        "preempt" if high_width is None else "preempt-narrow",
         f"a high job every {high_every:g}s into {workers} full echo workers ({slots} slots, "
-        f"{delay:g}s jobs) under {lows} low jobs, preemption protected for 0.5s; one worker "
-        "killed with -9 mid-run",
+        f"{delay:g}s jobs{narrowed}) under {lows} low jobs, preemption protected for 0.5s; "
+        "one worker killed with -9 mid-run",
         recovery="from the kill until the last job the killed worker held had its result",
     )
-    extra = ("--preempt-protect", "0.5", "--preempt-per-minute", "600")
+    extra: tuple[str, ...] = ("--preempt-protect", "0.5", "--preempt-per-minute", "600")
+    if high_width is not None:
+        extra += ("--high-width", str(high_width))
     with Stage("preempt", hosts=hosts, session_timeout=session_timeout) as st:
         fleet = spawn_fleet(st, "p", workers, delay=delay, slots=slots, extra=extra)
         low_feed = feed(st, lows, workers * slots / delay * 2, priority="low")
@@ -62,6 +70,11 @@ def preemption_storm(
         report.checks["the replacement served jobs"] = bool(a.by_worker(spare.name))
         report.details["submit_errors"] = low_feed.errors + high_feed.errors
         return st.finish(report, started)
+
+
+def narrowed_preemption_storm(**sizes: Any) -> ChaosReport:
+    """``preemption_storm`` with workers that narrow to one job beside their high ones."""
+    return preemption_storm(**sizes, high_width=1)
 
 
 def _checks(report: ChaosReport, a: Audit, lows: list[str], highs: list[str]) -> None:

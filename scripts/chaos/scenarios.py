@@ -8,7 +8,7 @@ from scripts.chaos.audit import ChaosReport
 from scripts.chaos.crashes import hung_worker, kill_workers, stop_worker
 from scripts.chaos.garbage import garbage_entries
 from scripts.chaos.outages import ensemble_failover, zookeeper_restart
-from scripts.chaos.preempt import preemption_storm
+from scripts.chaos.preempt import narrowed_preemption_storm, preemption_storm
 
 SCENARIOS: dict[str, Callable[..., ChaosReport]] = {
     "kill-9": kill_workers,
@@ -18,4 +18,5 @@ SCENARIOS: dict[str, Callable[..., ChaosReport]] = {
     "hung": hung_worker,
     "garbage": garbage_entries,
     "preempt": preemption_storm,
+    "preempt-narrow": narrowed_preemption_storm,
 }
