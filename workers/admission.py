@@ -111,7 +111,7 @@ class Admission:
 #: batch (``high_width``): the largest size at which one request's time per generated token is
 #: at most this many times the shortest measured. The knee trades each request's
 #: speed for the batch's throughput; an urgent job should not pay for that trade. 1.5 keeps the
-#: urgent job's steps within half again of a lone request's (on the tiny model on the CPU: 4
+#: urgent job's steps within half again of a lone request's (on the tiny model on the CPU: 1 to 4
 #: requests, against a knee of 16 to 32); on a GPU, where a wider batch costs a step little,
 #: the width follows the curve and stays wide.
 HIGH_SLOWDOWN = 1.5

@@ -106,7 +106,7 @@ EXPLAIN: dict[str, str] = {
         "with -9 mid-run. Every low job still ends succeeded exactly once."
     ),
     "preempt-narrow": (
-        "The same storm with workers that hold one job at most beside their high ones "
+        "The same storm with workers that add no low job while they run a high one "
         "(`--high-width 1`): a low job that ends beside a high one is not replaced, and the "
         "next high job takes that free slot, with nothing given back, before the worker "
         "preempts anything. Claims into free slots and preemptions interleave; a worker is "

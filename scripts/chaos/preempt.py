@@ -36,7 +36,9 @@ def preemption_storm(
     low jobs that end are not replaced beyond it, and later high jobs take those free slots
     with nothing given back."""
     started = time.monotonic()
-    narrowed = "" if high_width is None else f", {high_width} job(s) held beside a high one"
+    narrowed = (
+        "" if high_width is None else f", at most {high_width} job(s) held while a high one runs"
+    )
     report = ChaosReport(
         "preempt" if high_width is None else "preempt-narrow",
         f"a high job every {high_every:g}s into {workers} full echo workers ({slots} slots, "
@@ -73,7 +75,8 @@ def preemption_storm(
 
 
 def narrowed_preemption_storm(**sizes: Any) -> ChaosReport:
-    """``preemption_storm`` with workers that narrow to one job beside their high ones."""
+    """``preemption_storm`` with workers that hold one job at most while a high one runs: they
+    add no low job beside a high one."""
     return preemption_storm(**sizes, high_width=1)
 
 
