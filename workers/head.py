@@ -151,8 +151,11 @@ class HeadTurn:
         guess = stale[skip : skip + free] if skip is not None else []
         reads = self._read(guess)
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
-        # every claim there is (only the head claims).
-        self.view.refresh(min(len(stale), (skip or 0) + free), frozenset(exclude))
+        # every claim there is (only the head claims). Where tenants share a band, the lanes'
+        # claim frontiers come with the counters in this round trip: the candidates we guess
+        # others took are left to them, not listed (each may be in a lane of its own).
+        gone = min(len(stale), skip or 0) if self.share.reading else 0
+        self.view.refresh(min(len(stale), (skip or 0) + free), frozenset(exclude), first=gone)
         if not self.line.settle(asked):
             self.drop_watches()
             return []  # not the head after all (a predecessor that was not head left)
@@ -192,8 +195,10 @@ class HeadTurn:
             return []
         rejoin = rejoin_if_room and free - len(picked) > 0
         before, costs = dict(self.share.service), dict(self.share.cost)
+        fronts = dict(self.share.frontier)
         for c in picked:
             self.share.charge(c.entry.tenant_name, estimate(c.spec))
+            self.share.claimed(lane(c.priority, c.entry.tenant), c.entry.order)
         writes = self.share.writes(
             c.entry.tenant_name for c in picked if self.share.contended(c.priority)
         )
@@ -208,6 +213,7 @@ class HeadTurn:
         )
         if claimed is None:
             self.share.service, self.share.cost = before, costs  # nobody was served
+            self.share.frontier = fronts
             self.view.invalidate()
             return None
         if writes:
@@ -234,6 +240,8 @@ class HeadTurn:
         """Bring what orders the candidates up to date: the queue's aging setting and the
         ctimes it needs (one pipelined read of the lanes' new first entries), and the
         tenants backlogged in each band (fair share lifts those that were idle)."""
+        if self.share.reading:
+            self.share.load()  # the claim frontiers first: they decide what is a candidate
         settings = self.cap.settings
         self.view.promote_after = settings.promote_after
         self.view.now = time.time()

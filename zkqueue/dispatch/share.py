@@ -36,7 +36,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from zkqueue.protocol.layout import EntryName, Layout
+from zkqueue.protocol.layout import EntryName, Layout, lane, lane_parts
 from zkqueue.protocol.result import json_number
 from zkqueue.protocol.spec import JobSpec, estimate_tokens
 
@@ -82,6 +82,11 @@ class FairShare:
     #: counter (the order of a turn's candidates charges each with it before their specs are
     #: read, and the lift's slack is counted in it).
     cost: dict[str, float] = field(default_factory=dict)
+    #: Each lane's claim frontier, by lane path: the order (bucket, sequence) of the last entry
+    #: claimed from it, as the counters say (``next``) and this head's claims advance it. The
+    #: view hides the entries at or before it in buckets it did not list this turn: other
+    #: heads claimed them (and, for short jobs, completed them) since (``PendingView``).
+    frontier: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         #: The reads of this turn, sent ahead (``refetch``): the counters, the corrections.
@@ -93,13 +98,21 @@ class FairShare:
         self._fixed_at = 0.0
 
     def forget(self) -> None:
-        """This worker stopped being head (or lost its session): read the counters again."""
+        """This worker stopped being head (or lost its session): read the counters again.
+        ``backlogged`` stays: it only says whether the next turn's first round trip should
+        carry the read (each turn sets it afresh before any choice rests on it), and a worker
+        leaves the head after each claim that fills its slots."""
         self.service.clear()
         self.corrected.clear()
         self.unsaved.clear()
-        self.backlogged.clear()
+        self.frontier.clear()
         self._read = self._fix = None
         self._fresh = False
+
+    @property
+    def reading(self) -> bool:
+        """Whether this turn's read of the counters is in flight (``refetch`` sent it)."""
+        return self._read is not None and not self._fresh
 
     def refetch(self) -> None:
         """Another head may have claimed since this one's last turn: send the read of the
@@ -139,6 +152,8 @@ class FairShare:
             self.service[tenant] = value
             if cost is not None and tenant not in self.cost:
                 self.cost[tenant] = cost
+            for path, order in _frontier(tenant, raw):
+                self.frontier[path] = max(order, self.frontier.get(path, order))
         for tenant, fixed in self.corrected.items():
             self.service[tenant] = max(0.0, self.service.get(tenant, 0.0) + fixed)
         self._fresh = True
@@ -170,6 +185,11 @@ class FairShare:
         """Whether the head chose between tenants in ``priority`` at the last look."""
         return len(self.backlogged.get(priority, ())) > 1
 
+    def claimed(self, path: str, order: tuple[int, int]) -> None:
+        """An entry of lane ``path`` at ``order`` is about to be claimed: the lane's frontier
+        moves up to it."""
+        self.frontier[path] = max(order, self.frontier.get(path, order))
+
     def charge(self, tenant: str, tokens: int) -> None:
         """A job of ``tenant`` was claimed: its estimated tokens, weighted."""
         self.service[tenant] = self.service.get(tenant, 0.0) + tokens / self.weight(tenant)
@@ -183,13 +203,20 @@ class FairShare:
         call ``saved`` once it committed."""
         if not self._fresh or not set(tenants) & self.unsaved:
             return []
-        counters = {
+        fronts: dict[str, dict[str, list[int]]] = {}
+        for path, order in self.frontier.items():
+            priority, tenant = lane_parts(path)
+            fronts.setdefault(tenant, {})[priority] = list(order)
+        counters: dict[str, dict[str, Any]] = {
             t: {
                 "service": round(max(0.0, v - self.corrected.get(t, 0.0)), 3),
                 "cost": round(self.cost.get(t, 0.0), 1),
             }
             for t, v in sorted(self.service.items())
         }
+        for tenant, front in fronts.items():
+            if tenant in counters:
+                counters[tenant]["next"] = front
         return [(self.layout.service(self.queue), json.dumps(counters).encode())]
 
     def saved(self) -> None:
@@ -243,6 +270,22 @@ def _counter(raw: Any) -> tuple[float, float | None]:
     return (value if value is not None and value >= 0 else 0.0), (
         cost if cost is not None and cost > 0 else None
     )
+
+
+def _frontier(tenant: str, raw: Any) -> Iterator[tuple[str, tuple[int, int]]]:
+    """(lane path, order) of each claim frontier in one tenant's entry of the counters
+    (``"next": {"<priority>": [bucket, sequence]}``); anything else is ignored."""
+    found = raw.get("next") if isinstance(raw, dict) else None
+    if not isinstance(found, dict):
+        return
+    for priority, order in found.items():
+        if (
+            isinstance(priority, str)
+            and isinstance(order, list)
+            and len(order) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in order)
+        ):
+            yield lane(priority, tenant), (order[0], order[1])
 
 
 class Corrections:

@@ -127,6 +127,9 @@ class PendingView:
         self.versions: dict[str, int] = {}
         #: When each bucket was last listed (monotonic; ``_idle_tails``).
         self._listed_at: dict[Part, float] = {}
+        #: Buckets listed in the last refresh (after the counters' read that came with it):
+        #: their entries are current, whatever the lanes' claim frontiers say.
+        self._fresh: set[Part] = set()
         #: The last turn found fewer candidates than it could claim (it armed watches).
         self._waiting = False
         self._watches: dict[Part, _Watch] = {}
@@ -160,13 +163,18 @@ class PendingView:
         self.signalled.clear()
         self.watch_claims = False
 
-    def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset()) -> None:
+    def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset(), first: int = 0) -> None:
         """Re-list what changed since the last refresh, the claims (never watched: a job's
         claim and completion notify nobody; the loop's periodic turn sees a claim that
-        vanished) and the tails above the best candidate, pipelined (in the same round trip as
-        whatever the caller sent just before); list the next buckets of any priority short of
-        candidates. ``await_arrivals`` follows when the caller is the head."""
+        vanished), the buckets the candidates ``first`` to ``want`` come from and the tails
+        above the best candidate, pipelined (in the same round trip as whatever the caller
+        sent just before); list the next buckets of any priority short of candidates.
+        ``await_arrivals`` follows when the caller is the head. ``first``: how many of the
+        first candidates the caller expects other heads to have claimed since its last turn,
+        when the lanes' claim frontiers come in the same round trip (``FairShare.reading``):
+        those are hidden by the frontiers instead of listed."""
         dirty, self._dirty = self._dirty, set()
+        self._fresh = set()
         self.arrived = {}
         # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
@@ -175,7 +183,8 @@ class PendingView:
         # The best candidate as listed so far: what the tails above it, the uncertain tails and
         # the idle lanes to list are measured against (one merge, not one each).
         best = next(self.candidates(set(exclude)), None)
-        parts = dirty | names | {CLAIMS} | self._tails_above(best) | self._sources(want, exclude)
+        parts = dirty | names | {CLAIMS} | self._tails_above(best)
+        parts |= self._sources(want, exclude, first)
         parts |= self._uncertain(exclude, best) | self._aging() | self._idle_tails(exclude, best)
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
@@ -243,7 +252,9 @@ class PendingView:
                 continue
             tail = (path, numbers[-1])
             if now - self._listed_at.get(tail, 0.0) >= IDLE_RELIST:
-                found.add(tail)
+                # And its first bucket: an entry given back there may be hidden by the
+                # lane's claim frontier (``_lane_entries``).
+                found |= {tail, (path, numbers[0])}
         return found - self._trusted()
 
     def _aging(self) -> set[Part]:
@@ -277,12 +288,19 @@ class PendingView:
             )
         }
 
-    def _sources(self, want: int, exclude: frozenset[str]) -> set[Part]:
-        """The unwatched buckets the first ``want`` candidates come from: re-listed each turn
-        (one bucket, at most ~1,000 names), since other workers' completions are not watched
-        and their entries would otherwise be read as candidates and found gone."""
-        first = islice(self.candidates(set(exclude)), want)
-        return {(lane(p, e.tenant), e.bucket) for p, e in first} - self._trusted()
+    def _sources(self, want: int, exclude: frozenset[str], first: int = 0) -> set[Part]:
+        """The unwatched buckets the candidates ``first`` to ``want`` come from, and the first
+        bucket of each of their lanes: re-listed each turn (with one lane, one bucket of at
+        most ~1,000 names), since other workers' completions are not watched and their
+        entries would otherwise be read as candidates and found gone. The candidates before
+        ``first`` are left to the claim frontiers (``_lane_entries``): where tenants share a
+        band, they come from as many lanes, a listing each."""
+        found: set[Part] = set()
+        for p, e in islice(self.candidates(set(exclude)), first, want):
+            path = lane(p, e.tenant)
+            found.add((path, e.bucket))
+            found.add((path, self.buckets.get(path, [e.bucket])[0]))
+        return found - self._trusted()
 
     def _trusted(self) -> set[Part]:
         """Parts whose child watch reports every change (a data watch hears arrivals only)."""
@@ -306,14 +324,23 @@ class PendingView:
         return found
 
     def _lane_entries(self, path: str, exclude: set[str]) -> Iterator[EntryName]:
-        """One lane's unclaimed entries in order, as far as its buckets are listed."""
+        """One lane's unclaimed entries in order, as far as its buckets are listed. In a
+        bucket not listed in the last refresh, the entries at or before the lane's claim
+        frontier (``FairShare.frontier``) are left out: claimed since that listing (a claim
+        running would be in claims/; one no longer there completed, or was given back, which
+        the next listing of the bucket shows)."""
+        front = self.share.frontier.get(path) if self.share is not None else None
         for bucket in self.buckets.get(path, []):
             entries = self.listed.get((path, bucket))
             if entries is None:
                 break  # not listed: the lane has enough candidates before it
+            hide = front is not None and (path, bucket) not in self._fresh
             for e in entries:
-                if e.job_id not in self.claimed and not (exclude and e.name in exclude):
-                    yield e
+                if e.job_id in self.claimed or (exclude and e.name in exclude):
+                    continue
+                if hide and e.order <= front:  # type: ignore[operator]
+                    continue
+                yield e
 
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
         """Unclaimed entries in dispatch order: priority rank (entries promoted by aging first
@@ -455,6 +482,7 @@ class PendingView:
                 self.versions[self._path(part)] = stat.version
             if not isinstance(part, str):
                 self._listed_at[part] = time.monotonic()
+                self._fresh.add(part)
             if part == CLAIMS:
                 self.claimed = set(names)
             elif isinstance(part, str):
