@@ -10,7 +10,7 @@ import pytest
 
 from gateway.config import ApiKey, GatewayConfig
 from tests.conftest import wait_for
-from tests.runners import RecordingRunner
+from tests.runners import HoldRunner, RecordingRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.errors import ExitCode, ProtocolMismatch, QueueFull
@@ -322,3 +322,30 @@ def test_a_dead_letter_of_a_tenant_goes_back_to_its_lane(client: Client, layout)
 
     name = requeue(zk, layout, letter)
     assert name.startswith("@acme/"), name
+
+
+def test_a_job_given_back_behind_its_lanes_frontier_runs_before_the_lanes_later_ones(
+    client: Client, start_worker, layout
+) -> None:
+    """Claims that choose between tenants write each lane's claim frontier (the counters'
+    ``next``), and heads hide the entries at or before it in buckets they did not list this
+    turn. A low job preempted for a high one is pending again behind its lane's frontier: it
+    still runs before the later jobs of its lane."""
+    client.submit_many([f"A:{i}" for i in range(4)], tenant="A", priority="low")
+    client.submit_many([f"B:{i}" for i in range(4)], tenant="B", priority="low")
+    runner = HoldRunner()
+    start_worker(runner, slots=2)
+    wait_for(lambda: len(runner.running()) == 2, message="both slots busy")
+    first = runner.running()
+    counters = json.loads(client.zk.get(layout.service("default"))[0])
+    fronts = {t: counters[t]["next"]["low"] for t in ("A", "B")}
+    assert all(bucket == 0 and seq >= 0 for bucket, seq in fronts.values()), counters
+    urgent = client.submit("urgent", priority="high", detach=True)
+    wait_for(lambda: "urgent" in runner.running(), message="the high job running")
+    (victim,) = set(first) - set(runner.running())
+    runner.release_all()
+    assert urgent.result(timeout=10).ok
+    tenant = victim.split(":")[0]
+    wait_for(lambda: len(runner.jobs) == 10, message="every job handed in (one twice)")
+    handed = [j.spec.prompt for j in runner.jobs if j.spec.prompt.startswith(f"{tenant}:")]
+    assert handed == [victim, *(f"{tenant}:{i}" for i in range(4))], handed

@@ -196,9 +196,12 @@ class HeadTurn:
         rejoin = rejoin_if_room and free - len(picked) > 0
         before, costs = dict(self.share.service), dict(self.share.cost)
         fronts = dict(self.share.frontier)
+        last: dict[str, tuple[int, int]] = {}
         for c in picked:
             self.share.charge(c.entry.tenant_name, estimate(c.spec))
-            self.share.claimed(lane(c.priority, c.entry.tenant), c.entry.order)
+            path = lane(c.priority, c.entry.tenant)
+            last[path] = max(c.entry.order, last.get(path, c.entry.order))
+        self.share.claimed(last)
         writes = self.share.writes(
             c.entry.tenant_name for c in picked if self.share.contended(c.priority)
         )

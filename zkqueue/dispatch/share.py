@@ -83,9 +83,10 @@ class FairShare:
     #: read, and the lift's slack is counted in it).
     cost: dict[str, float] = field(default_factory=dict)
     #: Each lane's claim frontier, by lane path: the order (bucket, sequence) of the last entry
-    #: claimed from it, as the counters say (``next``) and this head's claims advance it. The
-    #: view hides the entries at or before it in buckets it did not list this turn: other
-    #: heads claimed them (and, for short jobs, completed them) since (``PendingView``).
+    #: claimed from it, as this turn's counters say (``next``), then as this head's claim sets
+    #: it. While the counters read this turn (``front``), the view hides the entries at or
+    #: before it in buckets it did not list this turn: other heads claimed them (and, for
+    #: short jobs, completed them) since (``PendingView``).
     frontier: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -147,13 +148,13 @@ class FairShare:
             found = _read_map(fix) or {}
             self.corrected = {t: v for t, v in found.items() if isinstance(v, float)}
         self.service = {}
+        self.frontier = {}
         for tenant, raw in (counters or {}).items():
             value, cost = _counter(raw)
             self.service[tenant] = value
             if cost is not None and tenant not in self.cost:
                 self.cost[tenant] = cost
-            for path, order in _frontier(tenant, raw):
-                self.frontier[path] = max(order, self.frontier.get(path, order))
+            self.frontier.update(_frontier(tenant, raw))
         for tenant, fixed in self.corrected.items():
             self.service[tenant] = max(0.0, self.service.get(tenant, 0.0) + fixed)
         self._fresh = True
@@ -185,10 +186,17 @@ class FairShare:
         """Whether the head chose between tenants in ``priority`` at the last look."""
         return len(self.backlogged.get(priority, ())) > 1
 
-    def claimed(self, path: str, order: tuple[int, int]) -> None:
-        """An entry of lane ``path`` at ``order`` is about to be claimed: the lane's frontier
-        moves up to it."""
-        self.frontier[path] = max(order, self.frontier.get(path, order))
+    def front(self, path: str) -> tuple[int, int] | None:
+        """Lane ``path``'s claim frontier, if the counters were read this turn (a frontier
+        from an earlier turn, or from this head's own claims alone, hides nothing: the lane
+        may have been emptied and made again since, its sequence starting over)."""
+        return self.frontier.get(path) if self._fresh else None
+
+    def claimed(self, fronts: dict[str, tuple[int, int]]) -> None:
+        """The last entry of each lane in ``fronts`` this turn claims (by lane path): the
+        lanes' frontiers, for the counters' write (the last claimed, not the highest ever: a
+        lane made again starts its sequence over)."""
+        self.frontier.update(fronts)
 
     def charge(self, tenant: str, tokens: int) -> None:
         """A job of ``tenant`` was claimed: its estimated tokens, weighted."""

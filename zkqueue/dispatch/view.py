@@ -289,8 +289,8 @@ class PendingView:
         }
 
     def _sources(self, want: int, exclude: frozenset[str], first: int = 0) -> set[Part]:
-        """The unwatched buckets the candidates ``first`` to ``want`` come from, and the first
-        bucket of each of their lanes: re-listed each turn (with one lane, one bucket of at
+        """The unwatched buckets the candidates ``first`` to ``want`` come from, and those
+        before them in their lanes: re-listed each turn (with one lane, one bucket of at
         most ~1,000 names), since other workers' completions are not watched and their
         entries would otherwise be read as candidates and found gone. The candidates before
         ``first`` are left to the claim frontiers (``_lane_entries``): where tenants share a
@@ -298,8 +298,8 @@ class PendingView:
         found: set[Part] = set()
         for p, e in islice(self.candidates(set(exclude)), first, want):
             path = lane(p, e.tenant)
+            found |= {(path, b) for b in self.buckets.get(path, []) if b <= e.bucket}
             found.add((path, e.bucket))
-            found.add((path, self.buckets.get(path, [e.bucket])[0]))
         return found - self._trusted()
 
     def _trusted(self) -> set[Part]:
@@ -329,18 +329,22 @@ class PendingView:
         frontier (``FairShare.frontier``) are left out: claimed since that listing (a claim
         running would be in claims/; one no longer there completed, or was given back, which
         the next listing of the bucket shows)."""
-        front = self.share.frontier.get(path) if self.share is not None else None
+        front = self._front(path)
         for bucket in self.buckets.get(path, []):
             entries = self.listed.get((path, bucket))
             if entries is None:
                 break  # not listed: the lane has enough candidates before it
-            hide = front is not None and (path, bucket) not in self._fresh
+            hide = None if (path, bucket) in self._fresh else front
             for e in entries:
                 if e.job_id in self.claimed or (exclude and e.name in exclude):
                     continue
-                if hide and e.order <= front:  # type: ignore[operator]
+                if hide is not None and e.order <= hide:
                     continue
                 yield e
+
+    def _front(self, path: str) -> tuple[int, int] | None:
+        """The lane's claim frontier (``FairShare.frontier``), if known."""
+        return self.share.front(path) if self.share is not None else None
 
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
         """Unclaimed entries in dispatch order: priority rank (entries promoted by aging first
@@ -519,6 +523,7 @@ class PendingView:
         more: set[Part] = set()
         for priority in self.lanes():
             numbers = self.buckets.get(priority, [])
+            front = self._front(priority)
             have = 0
             for bucket in numbers:
                 key = (priority, bucket)
@@ -529,8 +534,10 @@ class PendingView:
                 if not entries and bucket != numbers[-1]:
                     self._remove_bucket(key)
                     continue
+                hide = None if key in self._fresh else front
                 for e in entries:
-                    have += e.job_id not in self.claimed
+                    hidden = hide is not None and e.order <= hide
+                    have += e.job_id not in self.claimed and not hidden
                     if have >= WANT:
                         break
                 if have >= WANT:
