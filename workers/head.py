@@ -245,6 +245,7 @@ class HeadTurn:
         tenants backlogged in each band (fair share lifts those that were idle)."""
         if self.share.reading:
             self.share.load()  # the claim frontiers first: they decide what is a candidate
+            self.view.drop_behind_fronts()
         settings = self.cap.settings
         self.view.promote_after = settings.promote_after
         self.view.now = time.time()

@@ -342,6 +342,19 @@ class PendingView:
                     continue
                 yield e
 
+    def drop_behind_fronts(self) -> None:
+        """Drop, from the buckets not listed in the last refresh, the entries at or before
+        their lane's claim frontier (``_lane_entries`` would skip them in every walk of the
+        candidates: other heads claimed them since, and most completed). One given back
+        comes back with the bucket's next listing."""
+        if self.share is None:
+            return
+        for key, entries in self.listed.items():
+            front = self._front(key[0])
+            if front is None or key in self._fresh or not entries or entries[0].order > front:
+                continue
+            self.listed[key] = [e for e in entries if e.order > front]
+
     def _front(self, path: str) -> tuple[int, int] | None:
         """The lane's claim frontier (``FairShare.frontier``), if known."""
         return self.share.front(path) if self.share is not None else None
