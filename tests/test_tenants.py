@@ -15,6 +15,14 @@ from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.errors import ExitCode, ProtocolMismatch, QueueFull
 from zkqueue.protocol import revision
+from zkqueue.protocol.counters import (
+    Counter,
+    add_corrections,
+    encode_counters,
+    level,
+    parse_corrections,
+    parse_counters,
+)
 from zkqueue.protocol.layout import Layout
 from zkqueue.protocol.limits import Limits
 from zkqueue.protocol.migrate import migrate
@@ -349,3 +357,17 @@ def test_a_job_given_back_behind_its_lanes_frontier_runs_before_the_lanes_later_
     wait_for(lambda: len(runner.jobs) == 10, message="every job handed in (one twice)")
     handed = [j.spec.prompt for j in runner.jobs if j.spec.prompt.startswith(f"{tenant}:")]
     assert handed == [victim, *(f"{tenant}:{i}" for i in range(4))], handed
+
+
+def test_the_counters_format_reads_what_it_writes_and_ignores_the_rest() -> None:
+    written = {"A": Counter(12.5, 3.0, {"normal": (0, 7)}), "default": Counter(4.0, None, {})}
+    back = parse_counters(encode_counters(written))
+    assert back["A"] == Counter(12.5, 3.0, {"normal": (0, 7)})
+    assert back["A"].lanes("A") == {"normal/@A": (0, 7)}
+    assert back["default"].lanes("default") == {} and back["default"].service == 4.0
+    bad = b'{"A": {"service": "x", "cost": -1, "next": {"normal": [1, -2], "low": "z"}}, "B": 7}'
+    assert parse_counters(bad) == {"A": Counter(), "B": Counter()}
+    assert parse_counters(b"[1]") == {} and parse_counters(b"\xff") == {}
+    merged = add_corrections(b'{"A": 1.5, "B": "x"}', {"A": -0.5, "C": 2})
+    assert parse_corrections(merged) == {"A": 1.0, "C": 2.0}
+    assert level(Counter(1.0), -3.0) == 0.0 and level(None, None) == 0.0

@@ -11,8 +11,9 @@ counter is lifted to that level, so idle time banks no credit. Jobs of one tenan
 order (its lane is first come, first served).
 
 The counters live in ZooKeeper and survive worker restarts and a change of head. The queue's
-``service`` node holds every tenant's ``{"service": V, "cost": C}`` (V in weighted tokens, C
-the tenant's recent estimated cost per job); ``service/corrections`` holds, per tenant, what its
+``service`` node holds every tenant's ``{"service": V, "cost": C, "next": ...}`` (V in weighted
+tokens, C the tenant's recent estimated cost per job, ``next`` its lanes' claim frontiers; the
+format is ``zkqueue.protocol.counters``); ``service/corrections`` holds, per tenant, what its
 jobs really cost less their estimates, weighted, which the workers that ran them add at their
 heartbeat (``Corrections``). A tenant's level is the two together. The head reads the counters
 in the first round trip of every turn where it chose between tenants last time (another head
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -36,14 +36,20 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from zkqueue.protocol.layout import EntryName, Layout, lane, lane_parts
-from zkqueue.protocol.result import json_number
+from zkqueue.protocol.counters import (
+    CORRECTIONS,
+    Counter,
+    add_corrections,
+    encode_counters,
+    frontiers_by_tenant,
+    parse_corrections,
+    parse_counters,
+)
+from zkqueue.protocol.layout import EntryName, Layout
 from zkqueue.protocol.spec import JobSpec, estimate_tokens
 
 log = logging.getLogger("zkq.share")
 
-#: The child of the counters node that holds the workers' corrections.
-CORRECTIONS = "corrections"
 #: How many jobs' weighted cost a backlogged tenant's counter may lag the highest before it is
 #: lifted (``FairShare.observe``).
 SLACK = 2.0
@@ -139,22 +145,20 @@ class FairShare:
         if self._read is None:
             self._send()
         read, fix, self._read, self._fix = self._read, self._fix, None, None
-        counters = _read_map(read)
-        if counters is None:  # a queue made without it (by a producer of another language)
+        data = _data(read)
+        if data is None:  # a queue made without it (by a producer of another language)
             with contextlib.suppress(NodeExistsError):
                 self.zk.create(self.layout.service(self.queue), b"", makepath=True)
         if fix is not None:
             self._fixed_at = time.monotonic()
-            found = _read_map(fix) or {}
-            self.corrected = {t: v for t, v in found.items() if isinstance(v, float)}
+            self.corrected = parse_corrections(_data(fix))
         self.service = {}
         self.frontier = {}
-        for tenant, raw in (counters or {}).items():
-            value, cost = _counter(raw)
-            self.service[tenant] = value
-            if cost is not None and tenant not in self.cost:
-                self.cost[tenant] = cost
-            self.frontier.update(_frontier(tenant, raw))
+        for tenant, counter in parse_counters(data).items():
+            self.service[tenant] = counter.service
+            if counter.cost is not None and tenant not in self.cost:
+                self.cost[tenant] = counter.cost
+            self.frontier.update(counter.lanes(tenant))
         for tenant, fixed in self.corrected.items():
             self.service[tenant] = max(0.0, self.service.get(tenant, 0.0) + fixed)
         self._fresh = True
@@ -211,21 +215,12 @@ class FairShare:
         call ``saved`` once it committed."""
         if not self._fresh or not set(tenants) & self.unsaved:
             return []
-        fronts: dict[str, dict[str, list[int]]] = {}
-        for path, order in self.frontier.items():
-            priority, tenant = lane_parts(path)
-            fronts.setdefault(tenant, {})[priority] = list(order)
-        counters: dict[str, dict[str, Any]] = {
-            t: {
-                "service": round(max(0.0, v - self.corrected.get(t, 0.0)), 3),
-                "cost": round(self.cost.get(t, 0.0), 1),
-            }
-            for t, v in sorted(self.service.items())
+        fronts = frontiers_by_tenant(self.frontier)
+        counters = {
+            t: Counter(v - self.corrected.get(t, 0.0), self.cost.get(t), fronts.get(t, {}))
+            for t, v in self.service.items()
         }
-        for tenant, front in fronts.items():
-            if tenant in counters:
-                counters[tenant]["next"] = front
-        return [(self.layout.service(self.queue), json.dumps(counters).encode())]
+        return [(self.layout.service(self.queue), encode_counters(counters))]
 
     def saved(self) -> None:
         self.unsaved.clear()
@@ -254,46 +249,13 @@ class FairShare:
                 heapq.heapreplace(heap, (level + steps[tenant], index, tenant, following))
 
 
-def _read_map(call: Any) -> dict[str, Any] | None:
-    """A JSON object from a pipelined read, numbers as floats: None for a missing node, empty
-    for one that holds no object."""
+def _data(call: Any) -> bytes | None:
+    """A pipelined read's data (None: no such node)."""
     try:
         data, _ = call.get()
     except NoNodeError:
         return None
-    try:
-        found = json.loads(data or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    if not isinstance(found, dict):
-        return {}
-    return {str(k): v if (n := json_number(v)) is None else n for k, v in found.items()}
-
-
-def _counter(raw: Any) -> tuple[float, float | None]:
-    """(counter, cost per job or None) of one tenant's entry in the counters."""
-    if not isinstance(raw, dict):
-        return 0.0, None
-    value, cost = json_number(raw.get("service")), json_number(raw.get("cost"))
-    return (value if value is not None and value >= 0 else 0.0), (
-        cost if cost is not None and cost > 0 else None
-    )
-
-
-def _frontier(tenant: str, raw: Any) -> Iterator[tuple[str, tuple[int, int]]]:
-    """(lane path, order) of each claim frontier in one tenant's entry of the counters
-    (``"next": {"<priority>": [bucket, sequence]}``); anything else is ignored."""
-    found = raw.get("next") if isinstance(raw, dict) else None
-    if not isinstance(found, dict):
-        return
-    for priority, order in found.items():
-        if (
-            isinstance(priority, str)
-            and isinstance(order, list)
-            and len(order) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in order)
-        ):
-            yield lane(priority, tenant), (order[0], order[1])
+    return data or b""
 
 
 class Corrections:
@@ -324,31 +286,15 @@ class Corrections:
                 data, stat = self.zk.get(path)
             except NoNodeError:
                 try:
-                    self.zk.create(path, _corrections({}, self.pending), makepath=True)
+                    self.zk.create(path, add_corrections(None, self.pending), makepath=True)
                 except NodeExistsError:
                     continue
                 break
             try:
-                old = json.loads(data or b"{}")
-            except (ValueError, UnicodeDecodeError):
-                old = {}
-            try:
-                self.zk.set(path, _corrections(old, self.pending), version=stat.version)
+                self.zk.set(path, add_corrections(data, self.pending), version=stat.version)
             except BadVersionError:
                 continue
             break
         else:
             return
         self.pending.clear()
-
-
-def _corrections(old: Any, delta: dict[str, float]) -> bytes:
-    """The corrections with ``delta`` added (entries that are not numbers start from 0)."""
-    merged = {
-        str(k): n
-        for k, v in (old.items() if isinstance(old, dict) else ())
-        if (n := json_number(v))
-    }
-    for tenant, value in delta.items():
-        merged[tenant] = round(merged.get(tenant, 0.0) + value, 3)
-    return json.dumps(merged, sort_keys=True).encode()

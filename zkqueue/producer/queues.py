@@ -4,7 +4,6 @@ queue with the workers serving it, and deleting a queue."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ from kazoo.exceptions import NoNodeError, NotEmptyError
 from zkqueue import defaults
 from zkqueue.errors import JobNotFound, QueueBusy
 from zkqueue.protocol import claims, counts, nodes, revision
+from zkqueue.protocol.counters import CORRECTIONS, level, parse_corrections, parse_counters
 from zkqueue.protocol.layout import Layout, child
 from zkqueue.protocol.limits import QueueSettings
 from zkqueue.protocol.registry import read_records
@@ -64,8 +64,8 @@ def _tenants(
 ) -> dict[str, dict[str, Any]]:
     """Per tenant with a lane, a counter or settings: its depth per priority (running jobs
     included), its weight and cap, and its service counter (weighted tokens; fair share)."""
-    fixes = _json_map(zk.get_async(f"{layout.service(queue)}/corrections"))
-    counters = _json_map(service_call)
+    fixes = parse_corrections(_data(zk.get_async(f"{layout.service(queue)}/{CORRECTIONS}")))
+    counters = parse_counters(_data(service_call))
     tenants: dict[str, dict[str, Any]] = {}
     for (priority, tenant), n in counts.by_tenant(per_lane).items():
         row = tenants.setdefault(tenant, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
@@ -74,21 +74,17 @@ def _tenants(
         row = tenants.setdefault(name, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
         row.update(settings.tenant(name).to_dict())
         row.setdefault("max_pending", None)
-        row["service"] = None
-        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            value = float(counters[name]["service"])
-            fix = fixes.get(name, 0.0)
-            row["service"] = max(0.0, value + (fix if isinstance(fix, int | float) else 0.0))
+        counter = counters.get(name)
+        row["service"] = None if counter is None else level(counter, fixes.get(name))
     return dict(sorted(tenants.items()))
 
 
-def _json_map(call: Any) -> dict[str, Any]:
-    """A node's JSON object (empty when it is missing or not an object)."""
+def _data(call: Any) -> bytes | None:
+    """A pipelined read's data (None: no such node)."""
     try:
-        found = json.loads(call.get()[0] or b"{}")
-    except (NoNodeError, ValueError, UnicodeDecodeError):
-        return {}
-    return found if isinstance(found, dict) else {}
+        return call.get()[0]
+    except NoNodeError:
+        return None
 
 
 def queue_table(
