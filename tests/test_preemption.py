@@ -8,8 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.conftest import WorkerThread, flush_watches, result_ids, wait_for
-from tests.runners import HoldRunner
+from tests.runners import HoldRunner, RecordingRunner
+from workers.loop import Worker
 from workers.metrics import WorkerMetrics
+from workers.options import WorkerOptions
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.protocol.layout import is_line_member
@@ -254,3 +256,33 @@ def test_a_narrowed_worker_takes_a_high_job_into_a_free_slot_with_preemption_off
     assert handle.worker.stats.preempted == 0
     runner.release_all()
     assert first.result(timeout=10).ok and second.result(timeout=10).ok
+
+
+def test_urgent_picks_go_through_when_a_guard_keeps_failing(
+    client: Client, new_zk: Callable[..., Any], root: str
+) -> None:
+    """A claim that holds a less urgent job checks that the more urgent tails did not change
+    since the head looked. Under a stream of urgent arrivals that check keeps failing: the
+    urgent picks of the claim are then claimed alone, rather than none (here the check is
+    made to fail every time)."""
+    normal = client.submit_many(["n1", "n2"], priority="normal")
+    client.submit_many(["h1", "h2"], priority="high")
+    runner = RecordingRunner()
+    worker = Worker(new_zk(4.0), runner, WorkerOptions(root=root, max_concurrency=4))
+    real = worker.head.view.guards
+    high = client.layout.pending("default", "high")
+
+    def failing(lowest: str) -> list[tuple[str, int]]:
+        checks = real(lowest)
+        return [*checks, (high, 10**6)] if lowest != "high" else checks
+
+    worker.head.view.guards = failing  # type: ignore[method-assign]
+    handle = WorkerThread(worker).start()
+    try:
+        wait_for(lambda: sorted(runner.seen) == ["h1", "h2"], message="the high jobs run")
+        assert worker.head.stats.guarded >= 1
+        assert [job.status() for job in normal] == ["pending"] * 2
+        worker.head.view.guards = real  # type: ignore[method-assign]
+        wait_for(lambda: len(runner.seen) == 4, message="the normal jobs run once it holds")
+    finally:
+        handle.stop()

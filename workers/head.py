@@ -79,6 +79,8 @@ class HeadStats:
     gone: int = 0
     #: Entries claimed without being read: their tail's arrival signal carried them.
     unread: int = 0
+    #: Claims failed by a guard: a more urgent job arrived between the look and the claim.
+    guarded: int = 0
 
 
 @dataclass
@@ -193,7 +195,41 @@ class HeadTurn:
                 self.view.invalidate()
                 return None
             return []
-        rejoin = rejoin_if_room and free - len(picked) > 0
+        claimed = self._claim(picked, rejoin_if_room and free - len(picked) > 0, give_back)
+        if claimed is None and self.claims.guarded and swap is None:
+            # A more urgent job arrived since this head looked: its band's own picks need no
+            # guard, so claim them at once rather than none (under a stream of urgent jobs,
+            # every claim that also held a less urgent one would fail); the rest waits for a
+            # turn that sees the newcomers.
+            self.stats.guarded += 1
+            top = [c for c in picked if c.priority == self.view.priorities[0]]
+            lowest = max(picked, key=lambda c: self.view.priorities.index(c.priority)).priority
+            if top and len(top) < len(picked):
+                picked = top
+                claimed = self._claim(picked, rejoin_if_room and free - len(picked) > 0, [])
+                if claimed is not None:
+                    self.view.relist_above(lowest)  # the newcomers: seen next turn
+        if claimed is None:
+            self.view.invalidate()
+            return None
+        self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
+        self.stats.unread += sum((c.priority, c.entry) in arrived for c in picked)
+        # Out of the line (or at its back): the next head watches, not us. Dropping the
+        # watches waits for the loop's next pass (after this job's completion, if it was
+        # quick), so the removals do not delay that completion and are skipped when we are
+        # head again by then (a worker alone in the line).
+        self.drop_watches_soon()
+        # Claimed entries stay pending until completed; mark them claimed, never forget them:
+        # a release or crash makes them claimable again (the next turn's claims listing says so).
+        self.view.claimed.update(c.entry.job_id for c in picked)
+        return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
+
+    def _claim(
+        self, picked: list[Candidate], rejoin: bool, give_back: list[tuple[Claim, bytes]]
+    ) -> list[Claim] | None:
+        """Charge the tenants and move their lanes' frontiers, then claim ``picked`` in one
+        multi with the counters' write and the guards of the more urgent priorities; None
+        (everything as it was) if the multi failed (``Claims.guarded``: a guard failed)."""
         before, costs = dict(self.share.service), dict(self.share.cost)
         fronts = dict(self.share.frontier)
         last: dict[str, tuple[int, int]] = {}
@@ -217,7 +253,6 @@ class HeadTurn:
         if claimed is None:
             self.share.service, self.share.cost = before, costs  # nobody was served
             self.share.frontier = fronts
-            self.view.invalidate()
             return None
         if writes:
             self.share.saved()
@@ -227,17 +262,7 @@ class HeadTurn:
                 ",".join(c.entry.tenant_name for c in picked),
                 {t: round(v) for t, v in self.share.service.items()},
             )
-        self._stayed = False  # the claim multi left the line (and maybe rejoined at the back)
-        self.stats.unread += sum((c.priority, c.entry) in arrived for c in picked)
-        # Out of the line (or at its back): the next head watches, not us. Dropping the
-        # watches waits for the loop's next pass (after this job's completion, if it was
-        # quick), so the removals do not delay that completion and are skipped when we are
-        # head again by then (a worker alone in the line).
-        self.drop_watches_soon()
-        # Claimed entries stay pending until completed; mark them claimed, never forget them:
-        # a release or crash makes them claimable again (the next turn's claims listing says so).
-        self.view.claimed.update(c.entry.job_id for c in picked)
-        return [(claim, c.pages) for claim, c in zip(claimed, picked, strict=True)]
+        return claimed
 
     def _order(self, exclude: set[str]) -> None:
         """Bring what orders the candidates up to date: the queue's aging setting and the

@@ -153,6 +153,15 @@ class PendingView:
             self.armed.discard(part)
             self.signalled.discard(part)
 
+    def relist_above(self, lowest: str) -> None:
+        """List again, in the next refresh, what a claim of ``lowest`` guards (``guards``): the
+        lanes and tail buckets of the priorities above it (a guard failed: something arrived
+        there). Their watches, if any, stay as they are."""
+        rank = self.priorities.index(lowest) if lowest in self.priorities else 0
+        above = self.priorities[:rank]
+        self._dirty |= {path for p in above for path in self.lanes(p)}
+        self._dirty |= {t for t in self._tails() if lane_parts(t[0])[0] in above}
+
     def forget_watches(self) -> None:
         """The session is gone, and every watch with it: re-list and re-arm everything."""
         self.invalidate()

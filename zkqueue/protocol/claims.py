@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from zkqueue import defaults
@@ -86,6 +86,9 @@ class Claims:
         #: ``<streams>/<job id>``, with a fresh secret.
         self.streams: str | None = None
         self.ticks = Ticks()
+        #: Whether the last ``claim`` failed on one of its ``checks`` (a more urgent priority
+        #: changed since the head looked).
+        self.guarded = False
 
     def entry_path(self, priority: str, entry: EntryName) -> str:
         return self.layout.entry(self.queue, priority, entry.name)
@@ -133,6 +136,7 @@ class Claims:
         if rejoin:
             line.add_join(txn)
         outcome = txn.commit()
+        self.guarded = any(isinstance(r, BadVersionError) for r in outcome[: len(checks)])
         if transaction_failed(outcome):
             log.debug("claim of %d entries lost a race: %s", len(picked), _first_error(outcome))
             return None
