@@ -14,6 +14,7 @@ from tests.runners import HoldRunner, RecordingRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.errors import ExitCode, ProtocolMismatch, QueueFull
+from zkqueue.operations.janitor import Janitor
 from zkqueue.protocol import revision
 from zkqueue.protocol.counters import (
     Counter,
@@ -371,3 +372,31 @@ def test_the_counters_format_reads_what_it_writes_and_ignores_the_rest() -> None
     merged = add_corrections(b'{"A": 1.5, "B": "x"}', {"A": -0.5, "C": 2})
     assert parse_corrections(merged) == {"A": 1.0, "C": 2.0}
     assert level(Counter(1.0), -3.0) == 0.0 and level(None, None) == 0.0
+
+
+def test_the_janitor_removes_a_tenants_lane_that_stayed_empty(
+    client: Client, start_worker, layout
+) -> None:
+    """A lane per tenant name must not pile up (a gateway may take names from its callers):
+    one left empty and unchanged for ``lane_idle`` goes, with the tenant's counters once it has
+    no lane left; a lane with a waiting job stays; the tenant's next job makes its lane again."""
+    client.submit_many([f"A:{i}" for i in range(3)], tenant="A")
+    client.submit_many([f"B:{i}" for i in range(3)], tenant="B")
+    runner = RecordingRunner()
+    worker = start_worker(runner, slots=1)
+    wait_for(lambda: len(runner.seen) == 6, message="every job run")
+    worker.stop()
+    client.submit("C:0", tenant="C", priority="low", detach=True)  # waits: no worker
+    counters = json.loads(client.zk.get(layout.service("default"))[0])
+    assert {"A", "B"} <= set(counters)
+    quick = Janitor(client.zk, layout, lane_idle=1.0)
+    assert quick.run_pass().lanes_removed == []  # empty since now: not yet
+    removed = wait_for(lambda: quick.run_pass().lanes_removed, message="the empty lanes removed")
+    assert sorted(removed) == ["default/normal/@A", "default/normal/@B"]
+    assert client.zk.exists(layout.pending("default", "normal/@A")) is None
+    assert client.zk.exists(layout.pending("default", "low/@C")) is not None  # a job waits
+    counters = json.loads(client.zk.get(layout.service("default"))[0])
+    assert not {"A", "B"} & set(counters), counters
+    again = client.submit("A:again", tenant="A", detach=True)
+    start_worker(runner, slots=1)
+    assert again.result(timeout=10).ok

@@ -55,6 +55,10 @@ JANITOR_PAGE = 2000
 JANITOR_IN_FLIGHT = 64
 #: Entries one pending bucket holds (producers open the next one past it).
 PENDING_BUCKET = 1000
+#: Seconds a tenant's lane may stay empty and unchanged before the janitor removes it (and the
+#: tenant's fair-share counters with its last lane): a lane per name a gateway's callers chose
+#: (OpenAI's ``user``) must not pile up. The tenant's next job makes the lane again.
+LANE_IDLE = 600.0
 
 #: Seconds between writes of a streaming job's partial output (at most a few a second).
 STREAM_INTERVAL = 0.25

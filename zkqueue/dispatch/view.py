@@ -595,7 +595,10 @@ class PendingView:
             else:
                 numbers.append(number)
         if "/" not in priority:
-            new = set(tenants) - set(self.tenants.get(priority, ()))
+            before = set(self.tenants.get(priority, ()))
+            new = set(tenants) - before
+            for tenant in before - set(tenants):  # removed (the janitor: empty for long)
+                self._drop_lane(lane(priority, tenant))
             self.tenants[priority] = sorted(tenants)
             # A new tenant's lane: list it in this refresh (its first job is on its way).
             self._dirty |= {lane(priority, t) for t in new}
@@ -609,6 +612,17 @@ class PendingView:
         present = set(numbers)
         for key in [k for k in self.listed if k[0] == priority and k[1] not in present]:
             self._forget(key)
+
+    def _drop_lane(self, path: str) -> None:
+        """Forget a lane that is gone: its buckets, their listings and watches."""
+        for key in [k for k in self.listed if k[0] == path]:
+            self._forget(key)
+        for book in (self.buckets, self.malformed, self._watches):
+            book.pop(path, None)
+        self.versions.pop(self._path(path), None)
+        self.armed.discard(path)
+        self.signalled.discard(path)
+        self._dirty.discard(path)
 
     def _store(self, key: tuple[str, int], names: list[str]) -> None:
         priority, bucket = key

@@ -10,7 +10,9 @@ Each pass, for every queue, with work bounded per pass whatever the volume store
 - expires results through the expiry index: whole time buckets older than the retention, and the
   oldest beyond the queue's bound on stored results (count, bytes), at most ``page`` deletes a
   pass with ``in_flight`` outstanding (``zkqueue.operations.expiry``);
-- keeps dead letters under their bound (the oldest go first).
+- keeps dead letters under their bound (the oldest go first);
+- removes tenants' lanes that stayed empty and unchanged for ``lane_idle`` seconds, and the
+  fair-share counters of a tenant left with no lane (``_prune_lanes``).
 
 Times are ZooKeeper's own: the janitor writes <root>/clock and reads its mtime, so lease and age
 checks compare server timestamps with server timestamps, whatever the hosts' clocks say.
@@ -24,6 +26,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
@@ -35,13 +38,21 @@ from zkqueue.operations.expiry import Expiry, ExpiryLimits
 from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, close, connect
 from zkqueue.protocol import counts
 from zkqueue.protocol import result as results
-from zkqueue.protocol.claims import Claims, reclaim
-from zkqueue.protocol.layout import EntryName, Layout, child, lane_parts
+from zkqueue.protocol.claims import Claims, reclaim, transaction_failed
+from zkqueue.protocol.counters import (
+    CORRECTIONS,
+    encode_corrections,
+    encode_counters,
+    parse_corrections,
+    parse_counters,
+)
+from zkqueue.protocol.layout import DEFAULT_TENANT, EntryName, Layout, child, lane_parts
 from zkqueue.protocol.nodes import own_untracked
 from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.janitor")
+_T = TypeVar("_T")
 #: Pending buckets per priority whose new entries one pass reads (their specs, once).
 _BUCKETS_PER_PASS = 1
 
@@ -55,6 +66,8 @@ class PassReport:
     #: Stored results per queue after the pass, and the estimated bytes of their records.
     results_stored: dict[str, int] = field(default_factory=dict)
     results_bytes: dict[str, int] = field(default_factory=dict)
+    #: Tenants' lanes removed (empty for ``lane_idle``), as ``<queue>/<priority>/@<tenant>``.
+    lanes_removed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -89,10 +102,15 @@ class Janitor:
         result_ttl: float = defaults.RESULT_TTL,
         worker_id: str = "janitor",
         limits: ExpiryLimits | None = None,
+        lane_idle: float = defaults.LANE_IDLE,
     ) -> None:
         self.zk = zk
         self.layout = layout
         self.result_ttl = result_ttl
+        self.lane_idle = lane_idle
+        #: Each empty lane's tail bucket as last seen: (its pzxid and data version, the server
+        #: time since when they were so), by (queue, lane).
+        self._quiet: dict[tuple[str, str], tuple[int, int, float]] = {}
         self.worker_id = worker_id
         self.limits = limits or ExpiryLimits()
         self._scans: dict[str, _Scan] = {}
@@ -118,7 +136,13 @@ class Janitor:
             return report
         for queue in sorted(queues):
             self._queue_pass(queue, now, report)
-        if report.reclaimed or report.expired or report.results_removed or report.dead_removed:
+        if (
+            report.reclaimed
+            or report.expired
+            or report.results_removed
+            or report.dead_removed
+            or report.lanes_removed
+        ):
             log.info("janitor pass: %s", report)
         return report
 
@@ -178,15 +202,80 @@ class Janitor:
         self, queue: str, claimed: set[str], now: float, report: PassReport
     ) -> None:
         scan = self._scans.setdefault(queue, _Scan())
+        tenants: set[str] = set()
         for priority in defaults.PRIORITIES:
             for path in counts.lanes(self.zk, self.layout, queue, priority):
                 self._scan(queue, path, scan)
+                if "/" not in path:
+                    continue  # the default tenant's lane is the priority itself: never removed
+                if self._prune_lane(queue, path, now):
+                    report.lanes_removed.append(f"{queue}/{path}")
+                else:
+                    tenants.add(lane_parts(path)[1])
+        if report.lanes_removed:
+            self._prune_counters(queue, tenants)
         for name, d in list(scan.deadlines.items()):
             if d.entry.job_id in claimed or now - d.ctime <= d.queue_timeout:
                 continue
             if self._expire(queue, d, now):
                 report.expired.append(d.entry.job_id)
             del scan.deadlines[name]  # expired, or claimed/changed since: a later scan re-reads
+
+    def _prune_lane(self, queue: str, path: str, now: float) -> bool:
+        """Remove a tenant's lane whose only bucket held no entry and did not change (no entry
+        created or removed, no arrival signal) for ``lane_idle`` seconds: one multi deleting
+        the bucket and the lane at the versions read, so an enqueue meanwhile fails it. A
+        producer that still knew the lane makes it again (its enqueue finds it gone)."""
+        key = (queue, path)
+        node = self.layout.pending(queue, path)
+        try:
+            buckets, lane_stat = self.zk.get_children(node, include_data=True)
+        except NoNodeError:
+            self._quiet.pop(key, None)
+            return False
+        stat = self.zk.exists(f"{node}/{buckets[0]}") if len(buckets) == 1 else None
+        if stat is None or stat.numChildren:
+            self._quiet.pop(key, None)
+            return False
+        seen = (stat.pzxid, stat.version)
+        pzxid, version, since = self._quiet.get(key, (*seen, now))
+        if (pzxid, version) != seen:
+            pzxid, version, since = (*seen, now)
+        self._quiet[key] = (pzxid, version, since)
+        if now - since < self.lane_idle:
+            return False
+        txn = self.zk.transaction()
+        txn.delete(f"{node}/{buckets[0]}", version=stat.version)
+        txn.delete(node, version=lane_stat.version)
+        if transaction_failed(txn.commit()):
+            return False
+        self._quiet.pop(key, None)
+        log.info("removed tenant %s's lane of %s/%s: empty", *reversed(lane_parts(path)), queue)
+        return True
+
+    def _prune_counters(self, queue: str, tenants: set[str]) -> None:
+        """Drop the fair-share counters and corrections of tenants with no lane left in any
+        priority (the default tenant's stay). A versioned write: a head's or worker's write
+        meanwhile wins, and the next pass tries again."""
+        base = self.layout.service(queue)
+        keep = tenants | {DEFAULT_TENANT}
+        self._keep_only(base, keep, lambda d: encode_counters(_kept(parse_counters(d), keep)))
+        self._keep_only(
+            f"{base}/{CORRECTIONS}",
+            keep,
+            lambda d: encode_corrections(_kept(parse_corrections(d), keep)),
+        )
+
+    def _keep_only(self, path: str, keep: set[str], rewrite: Callable[[bytes], bytes]) -> None:
+        """Rewrite a node of per-tenant entries keeping only ``keep``'s (versioned)."""
+        try:
+            data, stat = self.zk.get(path)
+        except NoNodeError:
+            return
+        kept = rewrite(data)
+        if kept != data:
+            with contextlib.suppress(BadVersionError, NoNodeError):
+                self.zk.set(path, kept, version=stat.version)
 
     def _scan(self, queue: str, priority: str, scan: _Scan) -> None:
         """Read the new entries of the next few buckets of a lane (``priority``: a priority
@@ -340,6 +429,10 @@ class JanitorService:
                 self.zk.delete(child(self.layout.janitor(), name))
             self._line.invalidate()
         self._unsure = False
+
+
+def _kept(found: dict[str, _T], keep: set[str]) -> dict[str, _T]:
+    return {t: v for t, v in found.items() if t in keep}
 
 
 def _claim_body(data: bytes, queue: str, name: str) -> ClaimBody | None:

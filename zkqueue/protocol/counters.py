@@ -77,12 +77,17 @@ def parse_corrections(data: bytes | None) -> dict[str, float]:
     return {t: n for t, v in _object(data).items() if (n := json_number(v)) is not None}
 
 
+def encode_corrections(corrections: Mapping[str, float]) -> bytes:
+    """``service/corrections``' data, tenants in name order."""
+    return json.dumps({t: round(v, 3) for t, v in corrections.items()}, sort_keys=True).encode()
+
+
 def add_corrections(data: bytes | None, delta: Mapping[str, float]) -> bytes:
     """``service/corrections`` with ``delta`` added (entries that are no number start at 0)."""
     merged = parse_corrections(data)
     for tenant, value in delta.items():
-        merged[tenant] = round(merged.get(tenant, 0.0) + value, 3)
-    return json.dumps(merged, sort_keys=True).encode()
+        merged[tenant] = merged.get(tenant, 0.0) + value
+    return encode_corrections(merged)
 
 
 def level(counter: Counter | None, correction: float | None) -> float:
