@@ -188,6 +188,7 @@ def test_janitor_once_prints_a_summary(zkq, client: Client) -> None:
         "dead_removed": 0,
         "results_stored": {"default": 0},
         "results_bytes": {"default": 0},
+        "lanes_removed": [],
     }
 
 

@@ -379,7 +379,8 @@ def test_the_janitor_removes_a_tenants_lane_that_stayed_empty(
 ) -> None:
     """A lane per tenant name must not pile up (a gateway may take names from its callers):
     one left empty and unchanged for ``lane_idle`` goes, with the tenant's counters once it has
-    no lane left; a lane with a waiting job stays; the tenant's next job makes its lane again."""
+    no lane left (else with the lane's claim frontier); a lane with a waiting job stays; the
+    tenant's next job makes its lane again."""
     client.submit_many([f"A:{i}" for i in range(3)], tenant="A")
     client.submit_many([f"B:{i}" for i in range(3)], tenant="B")
     runner = RecordingRunner()
@@ -387,8 +388,9 @@ def test_the_janitor_removes_a_tenants_lane_that_stayed_empty(
     wait_for(lambda: len(runner.seen) == 6, message="every job run")
     worker.stop()
     client.submit("C:0", tenant="C", priority="low", detach=True)  # waits: no worker
+    client.submit("A:low", tenant="A", priority="low", detach=True)  # A keeps a lane
     counters = json.loads(client.zk.get(layout.service("default"))[0])
-    assert {"A", "B"} <= set(counters)
+    assert {"A", "B"} <= set(counters) and "normal" in counters["A"]["next"]
     quick = Janitor(client.zk, layout, lane_idle=1.0)
     assert quick.run_pass().lanes_removed == []  # empty since now: not yet
     removed = wait_for(lambda: quick.run_pass().lanes_removed, message="the empty lanes removed")
@@ -396,7 +398,10 @@ def test_the_janitor_removes_a_tenants_lane_that_stayed_empty(
     assert client.zk.exists(layout.pending("default", "normal/@A")) is None
     assert client.zk.exists(layout.pending("default", "low/@C")) is not None  # a job waits
     counters = json.loads(client.zk.get(layout.service("default"))[0])
-    assert not {"A", "B"} & set(counters), counters
+    # B has no lane left: its counters go; A keeps its counter, less its normal lane's frontier
+    # (a lane made again starts its sequence over).
+    assert "B" not in counters and "A" in counters, counters
+    assert "normal" not in counters["A"].get("next", {}), counters
     again = client.submit("A:again", tenant="A", detach=True)
     start_worker(runner, slots=1)
     assert again.result(timeout=10).ok

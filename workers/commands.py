@@ -341,6 +341,8 @@ def _janitor_summary(report: dict[str, Any]) -> str:
             f"expired {len(report['expired'])} job(s) past their queue timeout"
             f"{ids(report['expired'])}",
             f"removed {report['results_removed']} result(s) older than the retention",
+            f"removed {len(report['lanes_removed'])} tenant lane(s) left empty"
+            f"{ids(report['lanes_removed'])}",
         ]
     )
 

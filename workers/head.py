@@ -165,6 +165,10 @@ class HeadTurn:
         self.view.await_arrivals(free, frozenset(exclude))
         self._order(exclude)
         ordered = list(islice(self.view.candidates(exclude), scan))
+        for _ in range(3):  # the guess missed a lane: list it now (the order may change)
+            if not self.view.confirm(ordered[:free]):
+                break
+            ordered = list(islice(self.view.candidates(exclude), scan))
         arrived = self._arrived(ordered[:free], reads)
         reads.update(arrived)
         if not stayed:

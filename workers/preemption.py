@@ -91,7 +91,10 @@ class _Swap:
     chosen: list[tuple[Candidate, RunningJob | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.credit = sum(v.pages for v in self.victims)
+        # The victims' pages count as free when judging only without room: a candidate that
+        # takes a free slot gives nothing back, and judged with that credit it could be
+        # promised pages the cache does not have.
+        self.credit = 0 if self.room > 0 else sum(v.pages for v in self.victims)
 
     def pair(self, picked: list[Candidate]) -> tuple[list[Candidate], list[tuple[Claim, bytes]]]:
         left = list(self.victims)
@@ -174,6 +177,7 @@ class Preemption:
         it gives anything back, with preemption off too. Returns what was claimed (to hand
         in)."""
         if not self.policy.enabled and room <= 0:
+            self.leave()  # in a busy line only for its room, which is gone
             return []
         now = time.monotonic()
         while self._recent and now - self._recent[0] > 60.0:

@@ -351,6 +351,22 @@ class PendingView:
                     continue
                 yield e
 
+    def confirm(self, first: list[tuple[str, EntryName]]) -> bool:
+        """Where this turn's claim frontiers hide entries, list (one round trip) the buckets
+        of the lanes ``first`` (the candidates about to be claimed) come from, up to each
+        one's bucket, that the last refresh did not list: an entry given back behind its
+        lane's frontier (or left there by a worker it did not fit) must go before the lane's
+        later ones. True if it listed any (the candidates may have changed)."""
+        parts: set[Part] = set()
+        for p, e in first:
+            path = lane(p, e.tenant)
+            if self._front(path) is not None:
+                parts |= {(path, b) for b in self.buckets.get(path, []) if b <= e.bucket}
+        parts -= self._fresh
+        if parts:
+            self._read(parts)
+        return bool(parts)
+
     def drop_behind_fronts(self) -> None:
         """Drop, from the buckets not listed in the last refresh, the entries at or before
         their lane's claim frontier (``_lane_entries`` would skip them in every walk of the

@@ -25,8 +25,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass, field, replace
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
@@ -52,7 +51,6 @@ from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.spec import JobSpec
 
 log = logging.getLogger("zkq.janitor")
-_T = TypeVar("_T")
 #: Pending buckets per priority whose new entries one pass reads (their specs, once).
 _BUCKETS_PER_PASS = 1
 
@@ -202,7 +200,8 @@ class Janitor:
         self, queue: str, claimed: set[str], now: float, report: PassReport
     ) -> None:
         scan = self._scans.setdefault(queue, _Scan())
-        tenants: set[str] = set()
+        #: The priorities each tenant has a lane in (the default tenant's: all of them).
+        lanes = {DEFAULT_TENANT: set(defaults.PRIORITIES)}
         for priority in defaults.PRIORITIES:
             for path in counts.lanes(self.zk, self.layout, queue, priority):
                 self._scan(queue, path, scan)
@@ -211,9 +210,8 @@ class Janitor:
                 if self._prune_lane(queue, path, now):
                     report.lanes_removed.append(f"{queue}/{path}")
                 else:
-                    tenants.add(lane_parts(path)[1])
-        if report.lanes_removed:
-            self._prune_counters(queue, tenants)
+                    lanes.setdefault(lane_parts(path)[1], set()).add(priority)
+        self._prune_counters(queue, lanes)
         for name, d in list(scan.deadlines.items()):
             if d.entry.job_id in claimed or now - d.ctime <= d.queue_timeout:
                 continue
@@ -253,29 +251,37 @@ class Janitor:
         log.info("removed tenant %s's lane of %s/%s: empty", *reversed(lane_parts(path)), queue)
         return True
 
-    def _prune_counters(self, queue: str, tenants: set[str]) -> None:
+    def _prune_counters(self, queue: str, lanes: dict[str, set[str]]) -> None:
         """Drop the fair-share counters and corrections of tenants with no lane left in any
-        priority (the default tenant's stay). A versioned write: a head's or worker's write
-        meanwhile wins, and the next pass tries again."""
+        priority (``lanes``: the priorities each tenant has a lane in), and the claim frontier
+        of each lane that is gone (one made again starts its sequence over). Versioned writes,
+        every pass: a head's write meanwhile may put an entry back, and the next pass drops it
+        again."""
         base = self.layout.service(queue)
-        keep = tenants | {DEFAULT_TENANT}
-        self._keep_only(base, keep, lambda d: encode_counters(_kept(parse_counters(d), keep)))
-        self._keep_only(
-            f"{base}/{CORRECTIONS}",
-            keep,
-            lambda d: encode_corrections(_kept(parse_corrections(d), keep)),
-        )
-
-    def _keep_only(self, path: str, keep: set[str], rewrite: Callable[[bytes], bytes]) -> None:
-        """Rewrite a node of per-tenant entries keeping only ``keep``'s (versioned)."""
+        try:
+            data, stat = self.zk.get(base)
+        except NoNodeError:
+            pass
+        else:
+            found = parse_counters(data)
+            kept = {
+                t: replace(c, next={p: o for p, o in c.next.items() if p in lanes[t]})
+                for t, c in found.items()
+                if t in lanes
+            }
+            if kept != found:
+                with contextlib.suppress(BadVersionError, NoNodeError):
+                    self.zk.set(base, encode_counters(kept), version=stat.version)
+        path = f"{base}/{CORRECTIONS}"
         try:
             data, stat = self.zk.get(path)
         except NoNodeError:
             return
-        kept = rewrite(data)
-        if kept != data:
+        fixes = parse_corrections(data)
+        if set(fixes) - set(lanes):
             with contextlib.suppress(BadVersionError, NoNodeError):
-                self.zk.set(path, kept, version=stat.version)
+                fixed = {t: v for t, v in fixes.items() if t in lanes}
+                self.zk.set(path, encode_corrections(fixed), version=stat.version)
 
     def _scan(self, queue: str, priority: str, scan: _Scan) -> None:
         """Read the new entries of the next few buckets of a lane (``priority``: a priority
@@ -429,10 +435,6 @@ class JanitorService:
                 self.zk.delete(child(self.layout.janitor(), name))
             self._line.invalidate()
         self._unsure = False
-
-
-def _kept(found: dict[str, _T], keep: set[str]) -> dict[str, _T]:
-    return {t: v for t, v in found.items() if t in keep}
 
 
 def _claim_body(data: bytes, queue: str, name: str) -> ClaimBody | None:
