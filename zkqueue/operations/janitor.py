@@ -37,7 +37,7 @@ from zkqueue.operations.expiry import Expiry, ExpiryLimits
 from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, close, connect
 from zkqueue.protocol import counts
 from zkqueue.protocol import result as results
-from zkqueue.protocol.claims import Claims, reclaim, transaction_failed
+from zkqueue.protocol.claims import Claims, reclaim, remove_lane
 from zkqueue.protocol.counters import (
     CORRECTIONS,
     encode_corrections,
@@ -45,7 +45,14 @@ from zkqueue.protocol.counters import (
     parse_corrections,
     parse_counters,
 )
-from zkqueue.protocol.layout import DEFAULT_TENANT, EntryName, Layout, child, lane_parts
+from zkqueue.protocol.layout import (
+    DEFAULT_TENANT,
+    EntryName,
+    Layout,
+    child,
+    lane_parts,
+    parse_bucket,
+)
 from zkqueue.protocol.nodes import own_untracked
 from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.spec import JobSpec
@@ -242,13 +249,13 @@ class Janitor:
         self._quiet[key] = (pzxid, version, since)
         if now - since < self.lane_idle:
             return False
-        txn = self.zk.transaction()
-        txn.delete(f"{node}/{buckets[0]}", version=stat.version)
-        txn.delete(node, version=lane_stat.version)
-        if transaction_failed(txn.commit()):
+        bucket = parse_bucket(buckets[0])
+        versions = (stat.version, lane_stat.version)
+        if bucket is None or not remove_lane(self.zk, self.layout, queue, path, bucket, versions):
             return False
         self._quiet.pop(key, None)
-        log.info("removed tenant %s's lane of %s/%s: empty", *reversed(lane_parts(path)), queue)
+        priority, tenant = lane_parts(path)
+        log.info("removed tenant %s's lane in %s/%s: empty", tenant, queue, priority)
         return True
 
     def _prune_counters(self, queue: str, lanes: dict[str, set[str]]) -> None:

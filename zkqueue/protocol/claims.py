@@ -420,6 +420,18 @@ def make_lane(zk: KazooClient, layout: Layout, queue: str, lane: str) -> None:
     raise ZkqConnectionError(f"the priority {priority!r} of queue {queue!r} kept changing")
 
 
+def remove_lane(
+    zk: KazooClient, layout: Layout, queue: str, lane: str, bucket: int, versions: tuple[int, int]
+) -> bool:
+    """Remove a tenant's empty lane: its only bucket and its node, at ``versions`` (the
+    bucket's, the lane's) as read, in one multi; an enqueue since (it sets the bucket's data,
+    or adds an entry) or a bucket opened since fails it (False)."""
+    txn = zk.transaction()
+    txn.delete(layout.bucket(queue, lane, bucket), version=versions[0])
+    txn.delete(layout.pending(queue, lane), version=versions[1])
+    return not transaction_failed(txn.commit())
+
+
 def cancel(zk: KazooClient, layout: Layout, queue: str, priority: str, name: str) -> bool:
     """Cancel an entry: a ``cancelled`` result and its delete in one multi (False: it ended)."""
     path = layout.entry(queue, priority, name)
