@@ -258,6 +258,22 @@ def test_a_tenant_whose_lane_ran_dry_is_seen_when_it_sends_more(
     assert "A:149" not in seen[: seen.index("B:6")]
 
 
+def test_among_many_dry_lanes_a_tenants_new_job_is_still_seen(client: Client, start_worker) -> None:
+    """Forty tenants' lanes ran dry while A's backlog runs; a busy head lists only a few dry
+    lanes a turn (the longest unlisted first), and still sees one of them send more long
+    before A's backlog ends."""
+    dry = [client.submit(f"t{i}:0", tenant=f"t{i}", detach=True) for i in range(40)]
+    client.submit_many([f"A:{i}" for i in range(400)], tenant="A")
+    runner = SlowRecorder(0.01)
+    start_worker(runner, slots=1)
+    for job in dry:
+        job.result(timeout=30)
+    late = client.submit("t17:1", tenant="t17", detach=True)
+    late.result(timeout=30)
+    seen = runner.seen
+    assert "A:399" not in seen[: seen.index("t17:1")], "seen only after A's backlog"
+
+
 class SlowRecorder(RecordingRunner):
     """Records the order, and takes ``delay`` seconds a job."""
 

@@ -58,6 +58,8 @@ CLAIMS = "claims"
 #: Seconds between listings of the tail of a lane with no candidate, while tenants share a
 #: priority (``PendingView._idle_tails``).
 IDLE_RELIST = 0.25
+#: Dry lanes one refresh lists at most (``PendingView._idle_tails``).
+IDLE_PER_TURN = 8
 #: Unclaimed candidates per priority the view keeps listed (when the buckets hold that many).
 WANT = 64
 #: A part of the view, re-read when its watch fires: CLAIMS, a lane (its bucket names: a
@@ -254,16 +256,21 @@ class PendingView:
             return set()
         bands = self.priorities[: self.priorities.index(best[0]) + 1]
         now = time.monotonic()
-        found: set[Part] = set()
+        due: list[tuple[float, str, int, int]] = []
         for path in [path for p in bands for path in self.lanes(p)]:
             numbers = self.buckets.get(path)
             if not numbers or next(self._lane_entries(path, set(exclude)), None) is not None:
                 continue
-            tail = (path, numbers[-1])
-            if now - self._listed_at.get(tail, 0.0) >= IDLE_RELIST:
-                # And its first bucket: an entry given back there may be hidden by the
-                # lane's claim frontier (``_lane_entries``).
-                found |= {tail, (path, numbers[0])}
+            listed_at = self._listed_at.get((path, numbers[-1]), 0.0)
+            if now - listed_at >= IDLE_RELIST:
+                due.append((listed_at, path, numbers[0], numbers[-1]))
+        found: set[Part] = set()
+        # The longest unlisted first, IDLE_PER_TURN a turn: many dry lanes (a tenant per
+        # caller) must not make every turn list them all.
+        for _, path, first, tail in sorted(due)[:IDLE_PER_TURN]:
+            # And its first bucket: an entry given back there may be hidden by the lane's
+            # claim frontier (``_lane_entries``).
+            found |= {(path, tail), (path, first)}
         return found - self._trusted()
 
     def _aging(self) -> set[Part]:
