@@ -200,8 +200,13 @@ def test_connection_lost_while_watching_a_claimed_job_still_runs_it(
     client: Client, start_worker
 ) -> None:
     """Setting the entry watch of a just-claimed job failed with the connection before the job
-    was handed to the runner: it stayed 'running' forever and its slot was never freed."""
-    handle = start_worker(EchoRunner(delay=0.05))
+    was handed to the runner: it stayed 'running' forever and its slot was never freed. The job
+    runs well past ENTRY_WATCH_DELAY, so its entry is always watched (one as short as that delay
+    could end first, unwatched, and the failure would never be injected), and is still running
+    when the worker sweeps after the reconnect: the sweep keeps the claims of the jobs it runs
+    (it compared the claims' names, job ids, with entry names, deleted them all, and the job
+    ran twice)."""
+    handle = start_worker(EchoRunner(delay=0.5))
     worker = handle.worker
     real_watch = worker.bridge.watch
     failed: list[bool] = []

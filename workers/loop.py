@@ -410,7 +410,9 @@ class Worker:
     def _sweep(self) -> None:
         """A call failed with the connection, so its writes may have committed unseen: remove
         our unknown claims and line places, set the entry watches that could not be set."""
-        stray = self.claims.sweep([self.line, *self.preemption.lines], set(self.held))
+        # Claims are named by job id (``held`` is keyed by entry name).
+        running = {job.id for job in self.held.values()}
+        stray = self.claims.sweep([self.line, *self.preemption.lines], running)
         self.bridge.watch([j for j in self.held.values() if not j.watched])
         self.liveness.unsure = False
         if stray:
