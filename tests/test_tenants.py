@@ -421,3 +421,16 @@ def test_the_janitor_removes_a_tenants_lane_that_stayed_empty(
     again = client.submit("A:again", tenant="A", detach=True)
     start_worker(runner, slots=1)
     assert again.result(timeout=10).ok
+
+
+def test_a_new_tenants_lane_is_refused_beyond_the_priority_s_most(client: Client) -> None:
+    """Each lane costs every head turn a little: a producer refuses a new tenant's first job
+    where the priority holds its most lanes (queue full, exit 5); known tenants still submit."""
+    client._enqueue.max_lanes = 2
+    client.submit("A:0", tenant="A", detach=True)
+    client.submit("B:0", tenant="B", detach=True)
+    with pytest.raises(QueueFull, match="holds 2 tenants' lanes in priority 'normal'") as raised:
+        client.submit("C:0", tenant="C", detach=True)
+    assert raised.value.exit_code == ExitCode.QUEUE_FULL
+    assert client.submit("A:1", tenant="A", detach=True).status() == "pending"
+    assert client.submit("C:0", tenant="C", priority="low", detach=True).status() == "pending"

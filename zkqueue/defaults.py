@@ -59,6 +59,11 @@ PENDING_BUCKET = 1000
 #: tenant's fair-share counters with its last lane): a lane per name a gateway's callers chose
 #: (OpenAI's ``user``) must not pile up. The tenant's next job makes the lane again.
 LANE_IDLE = 600.0
+#: Tenants' lanes one priority of a queue holds at most: a producer refuses a new tenant's
+#: first job beyond it ("queue full"; the janitor frees lanes left empty). Each lane costs every
+#: head turn a little (the view walks the lanes of a band), so this bounds a burst of tenant
+#: names (a gateway taking them from its callers) before the janitor prunes them.
+MAX_LANES = 1000
 
 #: Seconds between writes of a streaming job's partial output (at most a few a second).
 STREAM_INTERVAL = 0.25

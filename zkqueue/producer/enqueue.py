@@ -25,9 +25,9 @@ from kazoo.exceptions import (
 )
 
 from zkqueue import defaults
-from zkqueue.errors import ConfigurationError, ZkqConnectionError
+from zkqueue.errors import ConfigurationError, QueueFull, ZkqConnectionError
 from zkqueue.plumbing.connection import ConnectionSettings, read_through_loss
-from zkqueue.protocol import arrival, claims, revision
+from zkqueue.protocol import arrival, claims, counts, revision
 from zkqueue.protocol.layout import TENANT_MARK, EntryName, Layout
 from zkqueue.protocol.nodes import read_tail
 
@@ -73,6 +73,8 @@ class Enqueuer:
             raise ConfigurationError(f"signal_spec_bytes must be 0 or more, not {signal_limit}")
         #: Specs up to this size ride in the arrival signal (zkqueue.protocol.arrival); 0: none do.
         self.signal_limit = signal_limit
+        #: Tenants' lanes a priority may hold before a new tenant's first job is refused.
+        self.max_lanes = defaults.MAX_LANES
         #: (queue, priority) -> (tail bucket, version of the priority node) as last read.
         self._tails: dict[tuple[str, str], tuple[int, int]] = {}
 
@@ -102,10 +104,22 @@ class Enqueuer:
                 # tenant's first job in this priority: its lane is made
                 revision.ensure_dirs(self._zk(), self.layout, queue, all_of="/" not in priority)
                 if "/" in priority:
+                    self._check_lanes(queue, priority.partition("/")[0])
                     claims.make_lane(self._zk(), self.layout, queue, priority)
                 found = read_tail(self._zk(), self.layout, queue, priority)
             self._tails[(queue, priority)] = found
         return found
+
+    def _check_lanes(self, queue: str, priority: str) -> None:
+        """Refuse a new tenant's lane where ``priority`` already holds ``max_lanes`` (a soft
+        bound: two producers may pass it at once)."""
+        lanes = len(counts.lanes(self._zk(), self.layout, queue, priority)) - 1
+        if lanes >= self.max_lanes:
+            raise QueueFull(
+                f"queue {queue!r} holds {lanes} tenants' lanes in priority {priority!r}, its "
+                f"most: a new tenant's jobs are refused until the janitor removes lanes left "
+                f"empty for {defaults.LANE_IDLE:g} s"
+            )
 
     def _send(self, chunk: list[Prepared], ephemeral: bool) -> Any:
         tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
