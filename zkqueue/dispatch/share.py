@@ -46,6 +46,7 @@ from zkqueue.protocol.counters import (
     parse_counters,
 )
 from zkqueue.protocol.layout import EntryName, Layout
+from zkqueue.protocol.nodes import data_of
 from zkqueue.protocol.spec import JobSpec, estimate_tokens
 
 log = logging.getLogger("zkq.share")
@@ -145,13 +146,13 @@ class FairShare:
         if self._read is None:
             self._send()
         read, fix, self._read, self._fix = self._read, self._fix, None, None
-        data = _data(read)
+        data = data_of(read)
         if data is None:  # a queue made without it (by a producer of another language)
             with contextlib.suppress(NodeExistsError):
                 self.zk.create(self.layout.service(self.queue), b"", makepath=True)
         if fix is not None:
             self._fixed_at = time.monotonic()
-            self.corrected = parse_corrections(_data(fix))
+            self.corrected = parse_corrections(data_of(fix))
         self.service = {}
         self.frontier = {}
         for tenant, counter in parse_counters(data).items():
@@ -247,15 +248,6 @@ class FairShare:
                 heapq.heappop(heap)
             else:
                 heapq.heapreplace(heap, (level + steps[tenant], index, tenant, following))
-
-
-def _data(call: Any) -> bytes | None:
-    """A pipelined read's data (None: no such node)."""
-    try:
-        data, _ = call.get()
-    except NoNodeError:
-        return None
-    return data or b""
 
 
 class Corrections:

@@ -314,9 +314,12 @@ class PendingView:
         found: set[Part] = set()
         for p, e in islice(self.candidates(set(exclude)), first, want):
             path = lane(p, e.tenant)
-            found |= {(path, b) for b in self.buckets.get(path, []) if b <= e.bucket}
-            found.add((path, e.bucket))
+            found |= self._up_to(path, e.bucket) | {(path, e.bucket)}
         return found - self._trusted()
+
+    def _up_to(self, path: str, bucket: int) -> set[Part]:
+        """The listed buckets of lane ``path`` up to ``bucket``."""
+        return {(path, b) for b in self.buckets.get(path, []) if b <= bucket}
 
     def _trusted(self) -> set[Part]:
         """Parts whose child watch reports every change (a data watch hears arrivals only)."""
@@ -345,12 +348,11 @@ class PendingView:
         frontier (``FairShare.frontier``) are left out: claimed since that listing (a claim
         running would be in claims/; one no longer there completed, or was given back, which
         the next listing of the bucket shows)."""
-        front = self._front(path)
         for bucket in self.buckets.get(path, []):
             entries = self.listed.get((path, bucket))
             if entries is None:
                 break  # not listed: the lane has enough candidates before it
-            hide = None if (path, bucket) in self._fresh else front
+            hide = self._hiding((path, bucket))
             for e in entries:
                 if e.job_id in self.claimed or (exclude and e.name in exclude):
                     continue
@@ -368,7 +370,7 @@ class PendingView:
         for p, e in first:
             path = lane(p, e.tenant)
             if self._front(path) is not None:
-                parts |= {(path, b) for b in self.buckets.get(path, []) if b <= e.bucket}
+                parts |= self._up_to(path, e.bucket)
         parts -= self._fresh
         if parts:
             self._read(parts)
@@ -382,14 +384,19 @@ class PendingView:
         if self.share is None:
             return
         for key, entries in self.listed.items():
-            front = self._front(key[0])
-            if front is None or key in self._fresh or not entries or entries[0].order > front:
+            front = self._hiding(key)
+            if front is None or not entries or entries[0].order > front:
                 continue
             self.listed[key] = [e for e in entries if e.order > front]
 
     def _front(self, path: str) -> tuple[int, int] | None:
         """The lane's claim frontier (``FairShare.frontier``), if known."""
         return self.share.front(path) if self.share is not None else None
+
+    def _hiding(self, key: tuple[str, int]) -> tuple[int, int] | None:
+        """The frontier at or before which a bucket's entries are hidden: its lane's, unless
+        the bucket was listed in the last refresh (its listing is current)."""
+        return None if key in self._fresh else self._front(key[0])
 
     def candidates(self, exclude: set[str]) -> Iterator[tuple[str, EntryName]]:
         """Unclaimed entries in dispatch order: priority rank (entries promoted by aging first
@@ -568,7 +575,6 @@ class PendingView:
         more: set[Part] = set()
         for priority in self.lanes():
             numbers = self.buckets.get(priority, [])
-            front = self._front(priority)
             have = 0
             for bucket in numbers:
                 key = (priority, bucket)
@@ -579,7 +585,7 @@ class PendingView:
                 if not entries and bucket != numbers[-1]:
                     self._remove_bucket(key)
                     continue
-                hide = None if key in self._fresh else front
+                hide = self._hiding(key)
                 for e in entries:
                     hidden = hide is not None and e.order <= hide
                     have += e.job_id not in self.claimed and not hidden

@@ -16,6 +16,7 @@ from zkqueue.protocol import claims, counts, nodes, revision
 from zkqueue.protocol.counters import CORRECTIONS, level, parse_corrections, parse_counters
 from zkqueue.protocol.layout import Layout, child
 from zkqueue.protocol.limits import QueueSettings
+from zkqueue.protocol.nodes import data_of
 from zkqueue.protocol.registry import read_records
 
 #: Tries at a recursive delete that a concurrent create keeps from finishing.
@@ -64,8 +65,8 @@ def _tenants(
 ) -> dict[str, dict[str, Any]]:
     """Per tenant with a lane, a counter or settings: its depth per priority (running jobs
     included), its weight and cap, and its service counter (weighted tokens; fair share)."""
-    fixes = parse_corrections(_data(zk.get_async(f"{layout.service(queue)}/{CORRECTIONS}")))
-    counters = parse_counters(_data(service_call))
+    fixes = parse_corrections(data_of(zk.get_async(f"{layout.service(queue)}/{CORRECTIONS}")))
+    counters = parse_counters(data_of(service_call))
     tenants: dict[str, dict[str, Any]] = {}
     for (priority, tenant), n in counts.by_tenant(per_lane).items():
         row = tenants.setdefault(tenant, {"depth": dict.fromkeys(defaults.PRIORITIES, 0)})
@@ -77,14 +78,6 @@ def _tenants(
         counter = counters.get(name)
         row["service"] = None if counter is None else level(counter, fixes.get(name))
     return dict(sorted(tenants.items()))
-
-
-def _data(call: Any) -> bytes | None:
-    """A pipelined read's data (None: no such node)."""
-    try:
-        return call.get()[0]
-    except NoNodeError:
-        return None
 
 
 def queue_table(

@@ -1,14 +1,25 @@
 """Small reads and plain writes the transitions need: this session's own ephemeral nodes, the
-expiry index's tick buckets, a node's children or the nodes below it, a priority's tail bucket."""
+expiry index's tick buckets, a node's children or the nodes below it, a priority's tail bucket,
+a pipelined read's data."""
 
 from __future__ import annotations
 
 from contextlib import suppress
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from zkqueue.protocol.layout import Layout, child, expiry_tick
+
+
+def data_of(call: Any) -> bytes | None:
+    """A pipelined read's data (None: no such node)."""
+    try:
+        data, _ = call.get()
+    except NoNodeError:
+        return None
+    return data or b""
 
 
 def own_untracked(zk: KazooClient, directory: str, known: set[str]) -> list[str]:
