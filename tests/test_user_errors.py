@@ -136,6 +136,7 @@ CASES: dict[str, Case] = {
     "ls limit zero": Case(("ls", "--limit", "0"), U, "range x>=1"),
     "top interval zero": Case(("top", "--interval", "0"), U, "range x>0"),
     "zero slots": Case(("worker", "--max-concurrency", "0"), U, "range x>=1"),
+    "bad high width": Case(("worker", "--high-width", "some"), CFG, "high_width must be auto"),
     "zero lease": Case(("worker", "--lease", "0"), U, "range x>0"),
     "negative heartbeat": Case(("worker", "--heartbeat-interval", "-1"), U, "range x>0"),
     "zero max jobs": Case(("worker", "--max-jobs", "0"), U, "range x>=1"),
