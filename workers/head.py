@@ -149,7 +149,11 @@ class HeadTurn:
         self.share.refetch()
         skip = 0 if stayed else self._skip
         scan = self._scan(free)
-        stale = list(islice(self.view.candidates(exclude), scan))
+        # Far enough to find where the first candidate now lies (others may have taken more
+        # than ``scan``): a guess beyond the stale order's end reads nothing and lists the
+        # wrong lanes.
+        reach = max(scan, (_SCAN_LIMIT if skip is None else skip) + free)
+        stale = list(islice(self.view.candidates(exclude), reach))
         guess = stale[skip : skip + free] if skip is not None else []
         reads = self._read(guess)
         # The refresh re-lists claims/ every turn, so with a cap the claims counted now are
@@ -157,7 +161,8 @@ class HeadTurn:
         # claim frontiers come with the counters in this round trip: the candidates we guess
         # others took are left to them, not listed (each may be in a lane of its own).
         gone = min(len(stale), skip or 0) if self.share.reading else 0
-        self.view.refresh(min(len(stale), (skip or 0) + free), frozenset(exclude), first=gone)
+        want = min(len(stale), (skip or 0) + free)
+        self.view.refresh(want, frozenset(exclude), first=gone, walked=stale)
         if not self.line.settle(asked):
             self.drop_watches()
             return []  # not the head after all (a predecessor that was not head left)
@@ -165,8 +170,14 @@ class HeadTurn:
         self.view.await_arrivals(free, frozenset(exclude))
         self._order(exclude)
         ordered = list(islice(self.view.candidates(exclude), scan))
+
+        def read_first() -> None:
+            # The first candidates' reads ride with the listing (one round trip, not two);
+            # wasted only if the listing changes the order (an entry given back).
+            reads.update(self._read([c for c in ordered[:free] if c not in reads]))
+
         for _ in range(3):  # the guess missed a lane: list it now (the order may change)
-            if not self.view.confirm(ordered[:free]):
+            if not self.view.confirm(ordered[:free], along=read_first):
                 break
             ordered = list(islice(self.view.candidates(exclude), scan))
         arrived = self._arrived(ordered[:free], reads)

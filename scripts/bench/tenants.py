@@ -52,8 +52,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.core import ZKQ_CLI, child_env, report, stop_processes, wait_until
+from kazoo.exceptions import NoNodeError
+
+from scripts.bench.core import (
+    ZKQ_CLI,
+    child_env,
+    pid_cpu,
+    report,
+    stop_processes,
+    wait_until,
+)
 from zkqueue import Client
+from zkqueue.protocol.layout import member_prefix
 from zkqueue.protocol.limits import Limits
 from zkqueue.testing import ZkCluster
 
@@ -312,9 +322,12 @@ def aging(cluster: ZkCluster) -> dict[str, Any]:
         }
 
 
-def dispatch_run(hosts: str, procs: int, slots: int, jobs: int, tenants: int) -> float:
+def dispatch_run(
+    hosts: str, procs: int, slots: int, jobs: int, tenants: int, server: int
+) -> tuple[float, float, float]:
     """One dispatch run of whichever tree is on PYTHONPATH (run as a subprocess: ``--run``):
-    jobs a second from the first claim to the last finish."""
+    jobs a second from the first claim to the last finish, and the CPU milliseconds a job
+    cost the workers and ZooKeeper (process ``server``) from the line's opening to the end."""
     root = f"/bench-cost-{procs}x{slots}-{tenants}-{int(time.time() * 1000)}"
     client = Client(hosts, root).start()
     client.ensure_queue(QUEUE)
@@ -323,18 +336,47 @@ def dispatch_run(hosts: str, procs: int, slots: int, jobs: int, tenants: int) ->
         extra = {"tenant": f"t{t}"} if tenants > 1 else {}
         client.submit_many(share, queue=QUEUE, **extra)
     ids = [name for name in _entry_ids(client)]
+    # The workers start behind a member of the line that the bench holds (the line's protocol:
+    # each member waits for its predecessor), so none claims while the others still start (a
+    # process's start costs more CPU than hundreds of these jobs): all dispatch together once
+    # it leaves.
+    line = client.layout.line(QUEUE)
+    client.zk.ensure_path(line)
+    gate = client.zk.create(member_prefix(line), b"bench", ephemeral=True, sequence=True)
     with tempfile.TemporaryDirectory(prefix="zkq-cost-") as tmp:
         stage = Stage.__new__(Stage)
         stage.hosts, stage.root, stage.client = hosts, root, client
         stage.folder, stage.workers = Path(tmp), []
         stage.spawn(procs, *_echo(slots, 0.0))
-        if not wait_until(lambda: stage.finished(ids) >= len(ids), 600, 0.5):
+        if not wait_until(lambda: len(client.zk.get_children(line)) > procs, 60, 0.1):
+            raise SystemExit("the workers did not join the line")
+        cpu = [pid_cpu(w.pid) for w in stage.workers] + [pid_cpu(server)]
+        client.zk.delete(gate)
+        # Counted from the expiry index (a few reads): reading every record each poll would
+        # load ZooKeeper as much as the dispatch itself.
+        if not wait_until(lambda: _indexed(client) >= len(ids), 600, 0.05):
             raise SystemExit("the dispatch run did not finish")
+        used = [pid_cpu(w.pid) for w in stage.workers] + [pid_cpu(server)]
+        spent = [b - a for a, b in zip(cpu, used, strict=True)]
         records = stage.records(ids).values()
         stage.close()
     first = min(r["started_at"] for r in records)
     last = max(r["finished_at"] for r in records)
-    return len(ids) / (last - first)
+    per_job = 1000 / len(ids)
+    return len(ids) / (last - first), sum(spent[:-1]) * per_job, spent[-1] * per_job
+
+
+def _indexed(client: Client) -> int:
+    """Results written under the bench queue's expiry index (its tick buckets' child counts: a
+    few reads). ``scripts.bench.core`` has the same count, but ``--run`` imports the tree under
+    test, whose ``core`` may predate it."""
+    expiry = client.layout.expiry(QUEUE)
+    try:
+        ticks = client.zk.get_children(expiry)
+    except NoNodeError:
+        return 0
+    calls = [client.zk.exists_async(f"{expiry}/{t}") for t in ticks]
+    return sum(s.numChildren for c in calls if (s := c.get()) is not None)
 
 
 def _entry_ids(client: Client) -> list[str]:
@@ -345,6 +387,14 @@ def _entry_ids(client: Client) -> list[str]:
 def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
     here = str(Path(__file__).resolve().parents[2])
     rows: dict[str, list[float]] = {}
+    cpu: dict[str, list[tuple[float, float]]] = {}
+    process = cluster.servers[0].process
+    server = process.pid if process is not None else 0
+    # A run first whose figures are not kept: ZooKeeper's JVM compiles its hot paths in the
+    # first thousands of requests, which would slow whichever tree runs first.
+    warm = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
+    warm += [cluster.hosts, "4", "4", str(jobs), "1", str(server)]
+    subprocess.run(warm, env={**os.environ, "PYTHONPATH": here}, cwd=here, capture_output=True)
     for _ in range(pairs):
         for procs, slots in ((4, 4), (16, 4)):
             for label, tree, tenants in (
@@ -354,15 +404,29 @@ def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
             ):
                 cmd = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
                 cmd += [cluster.hosts, str(procs), str(slots), str(jobs), str(tenants)]
+                cmd += [str(server)]
                 env = {**os.environ, "PYTHONPATH": tree}
                 done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"{procs}x{slots} {label} failed:\n{done.stderr[-3000:]}")
-                rate = float(done.stdout.strip().splitlines()[-1])
-                rows.setdefault(f"{procs}x{slots} {label}", []).append(rate)
-                print(f"  {procs}x{slots} {label}: {rate:.0f} jobs/s", flush=True)
+                rate, workers, zk = map(float, done.stdout.strip().splitlines()[-1].split())
+                key = f"{procs}x{slots} {label}"
+                rows.setdefault(key, []).append(rate)
+                cpu.setdefault(key, []).append((workers, zk))
+                print(
+                    f"  {key}: {rate:.0f} jobs/s; CPU a job: workers {workers:.2f} ms, "
+                    f"ZooKeeper {zk:.2f} ms",
+                    flush=True,
+                )
     medians = {k: statistics.median(v) for k, v in rows.items()}
     out: dict[str, Any] = {"rates": rows, "medians": {k: round(v, 1) for k, v in medians.items()}}
+    out["cpu_ms_per_job"] = {
+        k: {
+            "workers": round(statistics.median(w for w, _ in v), 2),
+            "zookeeper": round(statistics.median(z for _, z in v), 2),
+        }
+        for k, v in cpu.items()
+    }
     for shape in ("4x4", "16x4"):
         old_rate = medians[f"{shape} old"]
         out[f"{shape} new/old"] = round(medians[f"{shape} new"] / old_rate, 3)
@@ -375,8 +439,9 @@ def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--run":
-        hosts, procs, slots, jobs, tenants = sys.argv[2:7]
-        print(dispatch_run(hosts, int(procs), int(slots), int(jobs), int(tenants)))
+        hosts, procs, slots, jobs, tenants, server = sys.argv[2:8]
+        run = dispatch_run(hosts, int(procs), int(slots), int(jobs), int(tenants), int(server))
+        print(*run)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)} (all)")

@@ -109,9 +109,10 @@ class FairShare:
         """This worker stopped being head (or lost its session): read the counters again.
         ``backlogged`` stays: it only says whether the next turn's first round trip should
         carry the read (each turn sets it afresh before any choice rests on it), and a worker
-        leaves the head after each claim that fills its slots."""
+        leaves the head after each claim that fills its slots. The corrections stay too: they
+        change at workers' heartbeats and are read once a second, and a counter is written as
+        the level less the corrections the same turn used, so an older copy shifts no count."""
         self.service.clear()
-        self.corrected.clear()
         self.unsaved.clear()
         self.frontier.clear()
         self._read = self._fix = None
@@ -136,7 +137,7 @@ class FairShare:
     def _send(self) -> None:
         path = self.layout.service(self.queue)
         self._read = self.zk.get_async(path)
-        if time.monotonic() - self._fixed_at > 1.0 or not self.corrected:
+        if time.monotonic() - self._fixed_at > 1.0:
             self._fix = self.zk.get_async(f"{path}/{CORRECTIONS}")
 
     def load(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -174,7 +175,13 @@ class PendingView:
         self.signalled.clear()
         self.watch_claims = False
 
-    def refresh(self, want: int = 1, exclude: frozenset[str] = frozenset(), first: int = 0) -> None:
+    def refresh(
+        self,
+        want: int = 1,
+        exclude: frozenset[str] = frozenset(),
+        first: int = 0,
+        walked: list[tuple[str, EntryName]] | None = None,
+    ) -> None:
         """Re-list what changed since the last refresh, the claims (never watched: a job's
         claim and completion notify nobody; the loop's periodic turn sees a claim that
         vanished), the buckets the candidates ``first`` to ``want`` come from and the tails
@@ -183,7 +190,9 @@ class PendingView:
         ``await_arrivals`` follows when the caller is the head. ``first``: how many of the
         first candidates the caller expects other heads to have claimed since its last turn,
         when the lanes' claim frontiers come in the same round trip (``FairShare.reading``):
-        those are hidden by the frontiers instead of listed."""
+        those are hidden by the frontiers instead of listed. ``walked``: the candidates as the
+        caller just walked them, at least ``want`` if there are (the walk is not made twice:
+        with tenants, each candidate is a step of the fair-share merge)."""
         dirty, self._dirty = self._dirty, set()
         self._fresh = set()
         self.arrived = {}
@@ -193,9 +202,11 @@ class PendingView:
         arm = names | ({CLAIMS} if self.watch_claims else set())
         # The best candidate as listed so far: what the tails above it, the uncertain tails and
         # the idle lanes to list are measured against (one merge, not one each).
-        best = next(self.candidates(set(exclude)), None)
+        if walked is None:
+            walked = list(islice(self.candidates(set(exclude)), want))
+        best = walked[0] if walked else None
         parts = dirty | names | {CLAIMS} | self._tails_above(best)
-        parts |= self._sources(want, exclude, first)
+        parts |= self._sources(walked[first:want])
         parts |= self._uncertain(exclude, best) | self._aging() | self._idle_tails(exclude, best)
         # Woken from waiting: an arrival's entry may be in the signal (zkqueue.protocol.arrival) of
         # a tail whose watch fired.
@@ -210,8 +221,8 @@ class PendingView:
     def await_arrivals(self, want: int, exclude: frozenset[str]) -> None:
         """When fewer than ``want`` candidates remain, list the bucket names and tails again
         with watches, to hear of arrivals (only the head of the line calls it)."""
-        have = list(islice(self.candidates(set(exclude)), want))
-        self._waiting = len(have) < want
+        have = self._count(want, set(exclude))
+        self._waiting = have < want
         if self._waiting:
             # A waiting head watches each priority's bucket names and its tail bucket.
             waiting = {*self.lanes(), *self._tails()} - self.armed
@@ -223,6 +234,17 @@ class PendingView:
             signal = {p for p in waiting if not isinstance(p, str)} if busy else set()
             signal |= waiting & self.signalled
             self._read(waiting, waiting - signal, signal, peek=waiting & self._tails())
+
+    def _count(self, want: int, exclude: set[str]) -> int:
+        """How many candidates there are, up to ``want`` (their order does not matter: no
+        merge)."""
+        have = 0
+        for path in self.lanes():
+            for _ in self._lane_entries(path, exclude):
+                have += 1
+                if have >= want:
+                    return have
+        return have
 
     def poll(self) -> None:
         """Re-list the tails watched through their data (the loop calls it at each heartbeat
@@ -304,15 +326,15 @@ class PendingView:
             )
         }
 
-    def _sources(self, want: int, exclude: frozenset[str], first: int = 0) -> set[Part]:
-        """The unwatched buckets the candidates ``first`` to ``want`` come from, and those
-        before them in their lanes: re-listed each turn (with one lane, one bucket of at
-        most ~1,000 names), since other workers' completions are not watched and their
-        entries would otherwise be read as candidates and found gone. The candidates before
-        ``first`` are left to the claim frontiers (``_lane_entries``): where tenants share a
-        band, they come from as many lanes, a listing each."""
+    def _sources(self, chosen: list[tuple[str, EntryName]]) -> set[Part]:
+        """The unwatched buckets the candidates ``chosen`` come from, and those before them in
+        their lanes: re-listed each turn (with one lane, one bucket of at most ~1,000 names),
+        since other workers' completions are not watched and their entries would otherwise be
+        read as candidates and found gone. The candidates before them (that the caller expects
+        other heads took) are left to the claim frontiers (``_lane_entries``): where tenants
+        share a band, they come from as many lanes, a listing each."""
         found: set[Part] = set()
-        for p, e in islice(self.candidates(set(exclude)), first, want):
+        for p, e in chosen:
             path = lane(p, e.tenant)
             found |= self._up_to(path, e.bucket) | {(path, e.bucket)}
         return found - self._trusted()
@@ -360,7 +382,9 @@ class PendingView:
                     continue
                 yield e
 
-    def confirm(self, first: list[tuple[str, EntryName]]) -> bool:
+    def confirm(
+        self, first: list[tuple[str, EntryName]], along: Callable[[], None] | None = None
+    ) -> bool:
         """Where this turn's claim frontiers hide entries, list (one round trip) the buckets
         of the lanes ``first`` (the candidates about to be claimed) come from, up to each
         one's bucket, that the last refresh did not list: an entry given back behind its
@@ -373,6 +397,8 @@ class PendingView:
                 parts |= self._up_to(path, e.bucket)
         parts -= self._fresh
         if parts:
+            if along is not None:
+                along()  # sent ahead of the listings: in the same round trip
             self._read(parts)
         return bool(parts)
 
@@ -575,6 +601,8 @@ class PendingView:
         more: set[Part] = set()
         for priority in self.lanes():
             numbers = self.buckets.get(priority, [])
+            # Counting matters only while one of the lane's buckets is unlisted.
+            counting = any((priority, b) not in self.listed for b in numbers)
             have = 0
             for bucket in numbers:
                 key = (priority, bucket)
@@ -585,12 +613,15 @@ class PendingView:
                 if not entries and bucket != numbers[-1]:
                     self._remove_bucket(key)
                     continue
+                if not counting:
+                    continue
                 hide = self._hiding(key)
-                for e in entries:
-                    hidden = hide is not None and e.order <= hide
-                    have += e.job_id not in self.claimed and not hidden
-                    if have >= WANT:
-                        break
+                if hide is not None:  # those after the frontier (the entries are in order)
+                    entries = entries[bisect_right(entries, hide, key=_ORDER) :]
+                # Each running job hides at most one: a count, not a walk, when that is enough.
+                if have + len(entries) - len(self.claimed) >= WANT:
+                    break
+                have += sum(e.job_id not in self.claimed for e in entries)
                 if have >= WANT:
                     break
         return more
