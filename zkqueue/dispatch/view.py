@@ -140,6 +140,8 @@ class PendingView:
         #: Entries (by priority and name) the last refresh found in their tail's arrival
         #: signal: (spec bytes, stat), so the head claims them without reading them.
         self.arrived: dict[tuple[str, str], tuple[bytes, ZnodeStat]] = {}
+        #: Each priority's lanes (``lanes``), with the list of tenants they were made from.
+        self._lane_paths: dict[str, tuple[list[str], list[str]]] = {}
         #: Tails listed since this worker last became head: only an entry that appeared after
         #: such a listing can have come to no other head (none claimed it meanwhile).
         self._headed: set[Part] = set()
@@ -361,7 +363,11 @@ class PendingView:
         own, then its tenants'."""
         found = []
         for p in self.priorities if priority is None else (priority,):
-            found += [p, *(lane(p, t) for t in self.tenants.get(p, ()))]
+            tenants = self.tenants.get(p, [])
+            cached = self._lane_paths.get(p)
+            if cached is None or cached[0] is not tenants:  # a new listing of the priority
+                cached = self._lane_paths[p] = (tenants, [p, *(lane(p, t) for t in tenants)])
+            found += cached[1]
         return found
 
     def _lane_entries(self, path: str, exclude: set[str]) -> Iterator[EntryName]:

@@ -31,7 +31,7 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
@@ -83,6 +83,7 @@ def lane(priority: str, tenant: str | None = None) -> str:
     return f"{priority}/{TENANT_MARK}{tenant}"
 
 
+@lru_cache(maxsize=4096)
 def lane_parts(path: str) -> tuple[str, str]:
     """(priority, tenant) of a lane."""
     priority, _, rest = path.partition("/")

@@ -78,7 +78,8 @@ class QueueSettings:
         return self.tenants.get(name or DEFAULT_TENANT) or TenantSettings()
 
     def weight(self, name: str) -> float:
-        return self.tenant(name).weight
+        found = self.tenants.get(name or DEFAULT_TENANT)
+        return found.weight if found is not None else TenantSettings.weight
 
     def to_bytes(self) -> bytes:
         record: dict[str, Any] = {"max_pending": self.max_pending, "max_running": self.max_running}
