@@ -29,15 +29,19 @@ workers write as each job ends.
   (target: at most 15).
 - cost (``--old DIR``: a checkout of the tree before tenants, e.g. ``git worktree add DIR
   4425c19``): dispatch throughput of 2,000 pre-filled echo jobs (no work) on 4 x 4 and 16 x 4
-  worker processes, the old tree and this one alternating (``--pairs``, 3), and this one with
-  the jobs spread over 16 tenants. Jobs a second from the first claim to the last finish, from
-  the result records; medians, and new / old (targets: one tenant at least 0.95x, 16 tenants at
-  least 0.8x).
+  worker processes: the old tree, this one, and this one with the jobs spread over 16 tenants,
+  in rounds (``--pairs``, 3), each of the three first in turn. The workers start behind a line
+  member the bench holds and dispatch together once it leaves; the run's root is deleted after
+  it; one unkept run warms ZooKeeper up first. Jobs a second from the first claim to the last
+  finish, from the result records, and the CPU a job cost the workers and ZooKeeper from the
+  line's opening to the last result; medians, and new / old (targets: one tenant at least
+  0.95x, 16 tenants at least 0.8x).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -52,7 +56,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import KazooException, NoNodeError
 
 from scripts.bench.core import (
     ZKQ_CLI,
@@ -359,6 +363,12 @@ def dispatch_run(
         used = [pid_cpu(w.pid) for w in stage.workers] + [pid_cpu(server)]
         spent = [b - a for a, b in zip(cpu, used, strict=True)]
         records = stage.records(ids).values()
+        stop_processes(stage.workers, 15)
+        stage.workers = []
+        # The next run starts on a ZooKeeper as empty as this one did: the runs' results would
+        # otherwise pile up in its heap and slow each run more than the one before.
+        with contextlib.suppress(KazooException):
+            client.zk.delete(root, recursive=True)
         stage.close()
     first = min(r["started_at"] for r in records)
     last = max(r["finished_at"] for r in records)
@@ -395,13 +405,11 @@ def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
     warm = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
     warm += [cluster.hosts, "4", "4", str(jobs), "1", str(server)]
     subprocess.run(warm, env={**os.environ, "PYTHONPATH": here}, cwd=here, capture_output=True)
-    for _ in range(pairs):
+    trees = [("old", old, 1), ("new", here, 1), ("new-16-tenants", here, 16)]
+    for pair in range(pairs):
         for procs, slots in ((4, 4), (16, 4)):
-            for label, tree, tenants in (
-                ("old", old, 1),
-                ("new", here, 1),
-                ("new-16-tenants", here, 16),
-            ):
+            # Each goes first, second and third in turn: no tree always runs after the others.
+            for label, tree, tenants in trees[pair % 3 :] + trees[: pair % 3]:
                 cmd = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
                 cmd += [cluster.hosts, str(procs), str(slots), str(jobs), str(tenants)]
                 cmd += [str(server)]

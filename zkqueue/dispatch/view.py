@@ -419,7 +419,7 @@ class PendingView:
             front = self._hiding(key)
             if front is None or not entries or entries[0].order > front:
                 continue
-            self.listed[key] = [e for e in entries if e.order > front]
+            self.listed[key] = entries[bisect_right(entries, front, key=_ORDER) :]  # in order
 
     def _front(self, path: str) -> tuple[int, int] | None:
         """The lane's claim frontier (``FairShare.frontier``), if known."""
