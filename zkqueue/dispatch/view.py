@@ -363,7 +363,7 @@ class PendingView:
         own, then its tenants'."""
         found = []
         for p in self.priorities if priority is None else (priority,):
-            tenants = self.tenants.get(p, [])
+            tenants = self.tenants.get(p, _NO_TENANTS)
             cached = self._lane_paths.get(p)
             if cached is None or cached[0] is not tenants:  # a new listing of the priority
                 cached = self._lane_paths[p] = (tenants, [p, *(lane(p, t) for t in tenants)])
@@ -395,7 +395,8 @@ class PendingView:
         of the lanes ``first`` (the candidates about to be claimed) come from, up to each
         one's bucket, that the last refresh did not list: an entry given back behind its
         lane's frontier (or left there by a worker it did not fit) must go before the lane's
-        later ones. True if it listed any (the candidates may have changed)."""
+        later ones. True if it listed any (the candidates may have changed). ``along`` is
+        called just before the listings are sent, so what it sends shares their round trip."""
         parts: set[Part] = set()
         for p, e in first:
             path = lane(p, e.tenant)
@@ -722,3 +723,5 @@ class PendingView:
 
 
 _ORDER = attrgetter("order")
+#: A priority with no tenant's lane (one list, so ``lanes`` keeps its paths made once).
+_NO_TENANTS: list[str] = []
