@@ -258,6 +258,32 @@ def test_a_narrowed_worker_takes_a_high_job_into_a_free_slot_with_preemption_off
     assert first.result(timeout=10).ok and second.result(timeout=10).ok
 
 
+def test_a_narrowed_worker_held_back_by_max_running_hears_a_slot_free_elsewhere(
+    client: Client, start_worker: Callable[..., WorkerThread]
+) -> None:
+    """A narrowed worker's free slots are for high jobs; when the queue's max_running leaves
+    it no room, it watches claims/, so a job ending on another worker lets the waiting high
+    job in at once, not at its next heartbeat (30 s here)."""
+    client.set_limits("default", max_running=3)
+    runner = HoldRunner()
+    handle = start_worker(runner, slots=4, high_width=2, preempt=False, heartbeat_interval=30)
+    # A job running elsewhere, as claims/ shows it: one claim node, the test's.
+    elsewhere = client.zk.create(f"{client.layout.claims('default')}/elsewhere", ephemeral=True)
+    client.submit("low-0", priority="low", detach=True)
+    wait_for(lambda: runner.running() == ["low-0"], message="the low job running")
+    first = client.submit("urgent-1", priority="high", detach=True)
+    wait_for(lambda: "urgent-1" in runner.running(), message="the high job running")
+    # 3 running: the cap. Narrowed (a high job runs, 2 held), its 2 free slots wait for high
+    # jobs alone, and the cap leaves none of them.
+    second = client.submit("urgent-2", priority="high", detach=True)
+    wait_for(lambda: handle.worker.preemption.capped, message="the busy head held back by the cap")
+    assert "urgent-2" not in runner.running()
+    client.zk.delete(elsewhere)  # the job elsewhere ends
+    wait_for(lambda: "urgent-2" in runner.running(), timeout=5, message="the second high job")
+    runner.release_all()
+    assert first.result(timeout=10).ok and second.result(timeout=10).ok
+
+
 def test_urgent_picks_go_through_when_a_guard_keeps_failing(
     client: Client, new_zk: Callable[..., Any], root: str
 ) -> None:

@@ -187,14 +187,16 @@ class HeadTurn:
         self._letter_malformed()
         self._gone = 0
         cap = self.cap.value
+        shrunk = False  # the cap took free slots from a busy head's room
         if swap is not None:
             if cap is not None and swap.room > 0:
                 room = max(0, min(swap.room, cap - len(self.view.claimed)))
+                shrunk = room < swap.room
                 free -= swap.room - room
                 swap.room = room
             cap = None
         want = free if cap is None else min(free, cap - len(self.view.claimed))
-        self.capped = want < free
+        self.capped = want < free or shrunk
         if self.capped:
             self.view.arm_claims()  # hear a claim end: it frees a slot under the cap
         else:

@@ -167,6 +167,12 @@ class Preemption:
         self.preempted = 0
 
     @property
+    def capped(self) -> bool:
+        """Whether this worker's last busy turn was held back by the queue's max_running (it
+        then watches claims/: a job ending anywhere frees room under the cap)."""
+        return self.floor is not None and self._turns[self.floor].capped
+
+    @property
     def lines(self) -> list[Line]:
         return [turn.line for turn in self._turns.values()]
 
