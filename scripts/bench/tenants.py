@@ -400,21 +400,23 @@ def cost(cluster: ZkCluster, old: str, pairs: int, jobs: int) -> dict[str, Any]:
     cpu: dict[str, list[tuple[float, float]]] = {}
     process = cluster.servers[0].process
     server = process.pid if process is not None else 0
+
+    def run(tree: str, procs: int, slots: int, tenants: int) -> subprocess.CompletedProcess[str]:
+        """``dispatch_run`` of ``tree``, as a subprocess with it on PYTHONPATH."""
+        cmd = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
+        cmd += [cluster.hosts, str(procs), str(slots), str(jobs), str(tenants), str(server)]
+        env = {**os.environ, "PYTHONPATH": tree}
+        return subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+
     # A run first whose figures are not kept: ZooKeeper's JVM compiles its hot paths in the
     # first thousands of requests, which would slow whichever tree runs first.
-    warm = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
-    warm += [cluster.hosts, "4", "4", str(jobs), "1", str(server)]
-    subprocess.run(warm, env={**os.environ, "PYTHONPATH": here}, cwd=here, capture_output=True)
+    run(here, 4, 4, 1)
     trees = [("old", old, 1), ("new", here, 1), ("new-16-tenants", here, 16)]
     for pair in range(pairs):
         for procs, slots in ((4, 4), (16, 4)):
             # Each goes first, second and third in turn: no tree always runs after the others.
             for label, tree, tenants in trees[pair % 3 :] + trees[: pair % 3]:
-                cmd = [sys.executable, str(Path(here) / "scripts/bench/tenants.py"), "--run"]
-                cmd += [cluster.hosts, str(procs), str(slots), str(jobs), str(tenants)]
-                cmd += [str(server)]
-                env = {**os.environ, "PYTHONPATH": tree}
-                done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+                done = run(tree, procs, slots, tenants)
                 if done.returncode != 0:
                     raise SystemExit(f"{procs}x{slots} {label} failed:\n{done.stderr[-3000:]}")
                 rate, workers, zk = map(float, done.stdout.strip().splitlines()[-1].split())

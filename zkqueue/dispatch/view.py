@@ -140,8 +140,8 @@ class PendingView:
         #: Entries (by priority and name) the last refresh found in their tail's arrival
         #: signal: (spec bytes, stat), so the head claims them without reading them.
         self.arrived: dict[tuple[str, str], tuple[bytes, ZnodeStat]] = {}
-        #: Each priority's lanes (``lanes``), with the list of tenants they were made from.
-        self._lane_paths: dict[str, tuple[list[str], list[str]]] = {}
+        #: Each priority's lanes (``lanes``), made when its listing sets its ``tenants``.
+        self._lane_paths: dict[str, list[str]] = {}
         #: Tails listed since this worker last became head: only an entry that appeared after
         #: such a listing can have come to no other head (none claimed it meanwhile).
         self._headed: set[Part] = set()
@@ -363,11 +363,7 @@ class PendingView:
         own, then its tenants'."""
         found = []
         for p in self.priorities if priority is None else (priority,):
-            tenants = self.tenants.get(p, _NO_TENANTS)
-            cached = self._lane_paths.get(p)
-            if cached is None or cached[0] is not tenants:  # a new listing of the priority
-                cached = self._lane_paths[p] = (tenants, [p, *(lane(p, t) for t in tenants)])
-            found += cached[1]
+            found += self._lane_paths.get(p) or [p]
         return found
 
     def _lane_entries(self, path: str, exclude: set[str]) -> Iterator[EntryName]:
@@ -667,6 +663,8 @@ class PendingView:
             for tenant in before - set(tenants):  # removed (the janitor: empty for long)
                 self._drop_lane(lane(priority, tenant))
             self.tenants[priority] = sorted(tenants)
+            paths = [lane(priority, t) for t in self.tenants[priority]]
+            self._lane_paths[priority] = [priority, *paths]
             # A new tenant's lane: list it in this refresh (its first job is on its way).
             self._dirty |= {lane(priority, t) for t in new}
         numbers.sort()
@@ -723,5 +721,3 @@ class PendingView:
 
 
 _ORDER = attrgetter("order")
-#: A priority with no tenant's lane (one list, so ``lanes`` keeps its paths made once).
-_NO_TENANTS: list[str] = []

@@ -62,6 +62,10 @@ class TenantSettings:
         )
 
 
+#: The settings of a tenant the queue's settings do not name (frozen: one serves all).
+_DEFAULTS = TenantSettings()
+
+
 @dataclass(frozen=True)
 class QueueSettings:
     """JSON data of <root>/queues/<queue>: {"max_pending": N, "max_running": M} (absent or
@@ -75,11 +79,10 @@ class QueueSettings:
 
     def tenant(self, name: str | None) -> TenantSettings:
         """A tenant's settings (the defaults for one the settings do not name)."""
-        return self.tenants.get(name or DEFAULT_TENANT) or TenantSettings()
+        return self.tenants.get(name or DEFAULT_TENANT) or _DEFAULTS
 
     def weight(self, name: str) -> float:
-        found = self.tenants.get(name or DEFAULT_TENANT)
-        return found.weight if found is not None else TenantSettings.weight
+        return self.tenant(name).weight
 
     def to_bytes(self) -> bytes:
         record: dict[str, Any] = {"max_pending": self.max_pending, "max_running": self.max_running}
