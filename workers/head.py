@@ -108,6 +108,9 @@ class HeadTurn:
     _unwatch_due: bool = False
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
+    #: The candidates this turn read and found still there (claimed or not: ``_claim`` tells
+    #: which it passes over).
+    _judged: list[tuple[str, EntryName]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.cap = RunningCap(self.zk, self.layout, self.queue)
@@ -255,6 +258,16 @@ class HeadTurn:
             path = lane(c.priority, c.entry.tenant)
             last[path] = max(c.entry.order, last.get(path, c.entry.order))
         self.share.claimed(last)
+        taken = {(c.priority, c.entry) for c in picked}
+        # An entry left pending before a later one of its lane (it did not fit): the lane's
+        # frontier moves past it, so the claim sets the give-back signal (other heads list the
+        # lane again rather than hide it). Over-counted when it was lettered or ended: a
+        # re-listing, no more.
+        passed = any(
+            e.order < last.get(lane(p, e.tenant), e.order)
+            for p, e in self._judged
+            if (p, e) not in taken
+        )
         writes = self.share.writes(
             c.entry.tenant_name for c in picked if self.share.contended(c.priority)
         )
@@ -266,6 +279,7 @@ class HeadTurn:
             give_back=give_back,
             extra=writes,
             checks=self.view.guards(lowest),
+            passed=passed,
         )
         if claimed is None:
             self.share.service, self.share.cost = before, costs  # nobody was served
@@ -364,6 +378,7 @@ class HeadTurn:
         admitted; ``reads`` holds those already read; ``credit`` pages of the promised ones
         are about to be given back."""
         picked: list[Candidate] = []
+        self._judged = []
         start = 0
         while start < len(ordered):
             # Read only as many entries as could be claimed; more only when some are refused.
@@ -382,6 +397,7 @@ class HeadTurn:
                     self._gone += 1
                     self.stats.gone += 1
                     continue
+                self._judged.append((priority, entry))
                 if result is not None and result.get() is not None:
                     self._duplicate(priority, entry, data, stat)
                     continue

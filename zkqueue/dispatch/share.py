@@ -111,10 +111,12 @@ class FairShare:
         carry the read (each turn sets it afresh before any choice rests on it), and a worker
         leaves the head after each claim that fills its slots. The corrections stay too: they
         change at workers' heartbeats and are read once a second, and a counter is written as
-        the level less the corrections the same turn used, so an older copy shifts no count."""
+        the level less the corrections the same turn used, so an older copy shifts no count.
+        ``frontier`` stays as a guess: it hides nothing until ``load`` reads it afresh, but
+        says which lanes had a frontier when the next turn chooses what to list before the
+        read is back (``PendingView._sources``)."""
         self.service.clear()
         self.unsaved.clear()
-        self.frontier.clear()
         self._read = self._fix = None
         self._fresh = False
 

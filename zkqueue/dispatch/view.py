@@ -20,7 +20,16 @@ urgent arrival is never passed over.
 Each priority holds lanes: its own buckets (the default tenant's) and one directory per tenant,
 ``@<tenant>``, found in the same listing as the bucket names. The view lists each lane as it
 lists a priority; a priority's candidates are its lanes' merged by fair share and aging
-(``zkqueue.dispatch.share``)."""
+(``zkqueue.dispatch.share``).
+
+Where tenants share a priority, a head claims from several lanes a turn, and re-listing each of
+them every turn would cost a request per lane. It need not: the lanes' claim frontiers (read with
+the counters each turn) hide the entries other heads claimed since, and claims/'s data version,
+which every give-back moves (the give-back signal: ``zkqueue.protocol.claims``) and which the
+head reads with the claims/ listing it makes each turn, says whether any job went back behind a
+frontier since a bucket was listed. Such a bucket's listing is reused (``_reusable``) while the
+version is the one it was listed at, for at most ``TRUST_FOR`` seconds: a claim lost with its
+session gives its job back without the signal."""
 
 from __future__ import annotations
 
@@ -63,6 +72,10 @@ IDLE_RELIST = 0.25
 IDLE_PER_TURN = 8
 #: Unclaimed candidates per priority the view keeps listed (when the buckets hold that many).
 WANT = 64
+#: Seconds a bucket's listing is reused, in a priority where tenants share, while no job was
+#: given back (``PendingView._reusable``): the longest a job whose claim was lost with its
+#: worker's session (no give-back signal) may stay hidden behind its lane's claim frontier.
+TRUST_FOR = 2.0
 #: A part of the view, re-read when its watch fires: CLAIMS, a lane (its bucket names: a
 #: priority's also name its tenants' lanes), or (lane, bucket) (the bucket's entries).
 Part = Any
@@ -145,6 +158,12 @@ class PendingView:
         #: Tails listed since this worker last became head: only an entry that appeared after
         #: such a listing can have come to no other head (none claimed it meanwhile).
         self._headed: set[Part] = set()
+        #: claims/'s data version at its last listing: the count of give-backs (the give-back
+        #: signal, ``zkqueue.protocol.claims``), None until listed.
+        self.given: int | None = None
+        #: ``given`` as it was when each bucket was last listed (read before the listing, in
+        #: the same session: a give-back after it moves ``given`` past this).
+        self._given_at: dict[Part, int | None] = {}
 
     def invalidate(self, part: Part | None = None) -> None:
         """Mark one part, or everything, to be re-read."""
@@ -294,7 +313,9 @@ class PendingView:
         for _, path, first, tail in sorted(due)[:IDLE_PER_TURN]:
             # And its first bucket: an entry given back there may be hidden by the lane's
             # claim frontier (``_lane_entries``).
-            found |= {(path, tail), (path, first)}
+            found.add((path, tail))
+            if not self._reusable((path, first), self.share.frontier if self.share else None):
+                found.add((path, first))
         return found - self._trusted()
 
     def _aging(self) -> set[Part]:
@@ -339,7 +360,28 @@ class PendingView:
         for p, e in chosen:
             path = lane(p, e.tenant)
             found |= self._up_to(path, e.bucket) | {(path, e.bucket)}
+        if self.share is not None and self.share.reading:
+            # The frontiers come in this round trip: a listing no give-back made stale is
+            # reused (guessed from the signal as last read; ``confirm`` lists what a give-back
+            # since made stale).
+            found = {part for part in found if not self._reusable(part, self.share.frontier)}
         return found - self._trusted()
+
+    def _reusable(self, part: Part, fronts: dict[str, tuple[int, int]] | None = None) -> bool:
+        """Whether a bucket's last listing may stand for a new one: its lane is in a priority
+        where this head chose between tenants at its last look (every claim from it then
+        moves the lane's claim frontier, which hides what other heads claimed since), the lane
+        has a frontier (in ``fronts``; this turn's when None), no job was given back since the
+        listing (the give-back signal), and the listing is under ``TRUST_FOR`` seconds old."""
+        if self.share is None or self.given is None or self._given_at.get(part) != self.given:
+            return False
+        path = part[0]
+        known = self._front(path) if fronts is None else fronts.get(path)
+        return (
+            known is not None
+            and self.share.contended(lane_parts(path)[0])
+            and time.monotonic() - self._listed_at.get(part, 0.0) < TRUST_FOR
+        )
 
     def _up_to(self, path: str, bucket: int) -> set[Part]:
         """The listed buckets of lane ``path`` up to ``bucket``."""
@@ -389,16 +431,17 @@ class PendingView:
     ) -> bool:
         """Where this turn's claim frontiers hide entries, list (one round trip) the buckets
         of the lanes ``first`` (the candidates about to be claimed) come from, up to each
-        one's bucket, that the last refresh did not list: an entry given back behind its
-        lane's frontier (or left there by a worker it did not fit) must go before the lane's
-        later ones. True if it listed any (the candidates may have changed). ``along`` is
-        called just before the listings are sent, so what it sends shares their round trip."""
+        one's bucket, that the last refresh did not list and whose listing a give-back may
+        have made stale (``_reusable``): an entry given back behind its lane's frontier (or left
+        there by a worker it did not fit) must go before the lane's later ones. True if it
+        listed any (the candidates may have changed). ``along`` is called just before the
+        listings are sent, so what it sends shares their round trip."""
         parts: set[Part] = set()
         for p, e in first:
             path = lane(p, e.tenant)
             if self._front(path) is not None:
                 parts |= self._up_to(path, e.bucket)
-        parts -= self._fresh
+        parts = {part for part in parts - self._fresh if not self._reusable(part)}
         if parts:
             if along is not None:
                 along()  # sent ahead of the listings: in the same round trip
@@ -565,8 +608,11 @@ class PendingView:
                 self.signalled.discard(part)
             if stat is not None and part != CLAIMS:
                 self.versions[self._path(part)] = stat.version
+            elif stat is not None:
+                self.given = stat.version  # listed first: before the buckets of this call
             if not isinstance(part, str):
                 self._listed_at[part] = time.monotonic()
+                self._given_at[part] = self.given
                 self._fresh.add(part)
             if part == CLAIMS:
                 self.claimed = set(names)
@@ -636,6 +682,7 @@ class PendingView:
     def _forget(self, key: tuple[str, int]) -> None:
         self.versions.pop(self._path(key), None)
         self._listed_at.pop(key, None)
+        self._given_at.pop(key, None)
         self.listed.pop(key, None)
         self._parsed.pop(key, None)
         self._watches.pop(key, None)

@@ -37,7 +37,7 @@ from zkqueue.operations.expiry import Expiry, ExpiryLimits
 from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, close, connect
 from zkqueue.protocol import counts
 from zkqueue.protocol import result as results
-from zkqueue.protocol.claims import Claims, reclaim, remove_lane
+from zkqueue.protocol.claims import Claims, reclaim, remove_lane, signal, transaction_failed
 from zkqueue.protocol.counters import (
     CORRECTIONS,
     encode_corrections,
@@ -193,15 +193,13 @@ class Janitor:
         if body is None or body.entry is None:
             # A claim nobody can read (or that names no entry): it only goes, fenced by its
             # own version; the entry, if any, is pending again.
-            try:
-                self.zk.delete(claim, version)
-            except (NoNodeError, BadVersionError):
-                return False
-            return True
+            txn = self.zk.transaction()
+            txn.delete(claim, version)
+            signal(txn, self.layout, queue)
+            return not transaction_failed(txn.commit())
         priority, _, entry = body.entry.partition("/")
-        return reclaim(
-            self.zk, self.layout.entry(queue, priority, entry), claim, body.token, version
-        )
+        entry_path = self.layout.entry(queue, priority, entry)
+        return reclaim(self.zk, self.layout, queue, entry_path, claim, body.token, version)
 
     def _expire_waiting(
         self, queue: str, claimed: set[str], now: float, report: PassReport

@@ -12,11 +12,21 @@
 - complete: check(entry, token) + create results/<hh>/<id> + create its expiry index node +
             delete(entry) + delete(claims/<id>) [+ rejoin the line]. A stale worker's multi
             fails as a whole.
-- release:  check(entry, token) + delete(claims/<id>): the job is pending again.
+- release:  check(entry, token) + delete(claims/<id>) + set_data(claims/): the job is pending
+            again.
 - preempt:  the claim multi of a more urgent job, which also gives jobs of this worker back:
             set_data(their entry, spec with preemptions + 1, version=token) + delete(their
-            claim). All or nothing: a preempted job is pending again exactly when the urgent
-            one is claimed, and its old token can no longer complete it.
+            claim) + set_data(claims/). All or nothing: a preempted job is pending again
+            exactly when the urgent one is claimed, and its old token can no longer complete it.
+- reclaim:  (the janitor, a lapsed lease) check(entry, token) + delete(claims/<id>, version)
+            + set_data(claims/).
+
+The set_data(claims/) in each give-back is the **give-back signal**: claims/'s data version
+counts the jobs given back (and the claims that passed over an entry of a tenant's lane: it was
+left pending behind the lane's claim frontier). A head that lists claims/ in a turn learns from
+its stat whether any job went back since it listed a bucket, so it may reuse that listing
+(``zkqueue.dispatch.view``). A claim lost with its session gives its job back without the signal:
+heads re-list what they reuse at least every ``TRUST_FOR`` seconds.
 - dead:     create dead/<letter> [+ result + index] + delete(entry, version).
 """
 
@@ -101,6 +111,7 @@ class Claims:
         give_back: Sequence[tuple[Claim, bytes]] = (),
         extra: Sequence[tuple[str, bytes]] = (),
         checks: Sequence[tuple[str, int]] = (),
+        passed: bool = False,
     ) -> list[Claim] | None:
         """Claim ``picked`` in one multi that also leaves the line (and rejoins it at the back
         when slots stay free). ``give_back`` preempts claims of this worker in the same multi:
@@ -109,7 +120,10 @@ class Claims:
         (a preempted job was cancelled or fenced meanwhile, or an urgent one claimed by
         another head). ``extra``: plain writes (path, data) that go with the claim (the
         tenants' service counters that the choice changed); ``checks``: (path, version) that
-        must still hold (the tails of more urgent priorities, unchanged since the head looked)."""
+        must still hold (the tails of more urgent priorities, unchanged since the head looked);
+        ``passed``: the claim passes over an entry of a lane it claims a later one from (the
+        entry did not fit this worker): the multi sets the give-back signal, as a give-back
+        does, since the lane's claim frontier moves past an entry still pending."""
         now = time.time()
         txn = self.zk.transaction()
         for path, version in checks:
@@ -119,6 +133,8 @@ class Claims:
         for claim, spec in give_back:
             txn.set_data(self.entry_path(claim.priority, claim.entry), spec, version=claim.token)
             txn.delete(self.layout.claim(self.queue, claim.id))
+        if give_back or passed:
+            signal(txn, self.layout, self.queue)
         bodies = []
         for c in picked:
             token = c.stat.version + 1
@@ -195,6 +211,7 @@ class Claims:
         txn = self.zk.transaction()
         txn.check(self.entry_path(claim.priority, claim.entry), claim.token)
         txn.delete(self.layout.claim(self.queue, claim.id))
+        signal(txn, self.layout, self.queue)
         return not transaction_failed(txn.commit())
 
     def dead_letter(
@@ -311,8 +328,11 @@ class Claims:
             places = own_untracked(self.zk, line.directory, {line.node} if line.node else set())
             stray += [child(line.directory, n) for n in places]
         for path in stray:
-            with contextlib.suppress(NoNodeError):
-                self.zk.delete(path)
+            txn = self.zk.transaction()
+            txn.delete(path)
+            if path.startswith(f"{claims}/"):
+                signal(txn, self.layout, self.queue)  # a claim nobody runs: its job goes back
+            txn.commit()  # NoNode: gone meanwhile
         return stray
 
     def drop(self, claim: Claim) -> None:
@@ -493,12 +513,22 @@ def consume(zk: KazooClient, layout: Layout, queue: str, record: Result, size: i
     txn.commit_async()
 
 
-def reclaim(zk: KazooClient, entry: str, claim: str, token: int, version: int) -> bool:
+def signal(txn: TransactionRequest, layout: Layout, queue: str) -> None:
+    """Add the give-back signal to a multi that makes a claimed job pending again: a write of
+    claims/'s data (left empty), which moves its data version (see the module's docstring)."""
+    txn.set_data(layout.claims(queue), b"")
+
+
+def reclaim(
+    zk: KazooClient, layout: Layout, queue: str, entry: str, claim: str, token: int, version: int
+) -> bool:
     """Take back a claim whose lease lapsed (the janitor): delete it if the entry still carries
-    its token and the claim was not renewed since it was read. The job is pending again."""
+    its token and the claim was not renewed since it was read. The job is pending again (the
+    multi sets the give-back signal)."""
     txn = zk.transaction()
     txn.check(entry, token)
     txn.delete(claim, version)
+    signal(txn, layout, queue)
     return not transaction_failed(txn.commit())
 
 
