@@ -124,3 +124,49 @@ def test_a_job_cancelled_before_its_entry_is_watched_counts_as_cancelled(
     assert (stats.completed, stats.fenced) == (0, 0)
     assert job.result(timeout=5).status == "cancelled"
     assert _claims(client) == []
+
+
+def test_every_give_back_moves_the_give_back_signal(client: Client, new_zk) -> None:
+    """A release, a preemption, the janitor's reclaim and a swept claim each set claims/'s data
+    in their multi (its version is what heads compare to reuse a listing: the job is pending
+    again behind its lane's frontier); a claim and a completion do not."""
+    from kazoo.protocol.states import ZnodeStat
+
+    from zkqueue.protocol.claims import reclaim
+    from zkqueue.protocol.records import Candidate
+    from zkqueue.protocol.spec import JobSpec
+
+    jobs = [client.submit(f"job {i}", detach=True) for i in range(2)]
+    zk = new_zk()
+    lay = client.layout
+    claims = Claims(zk, lay, "default", "w")
+    line = Line(zk, lay.line("default"), "w", lambda: None)
+
+    def signal() -> int:
+        stat: ZnodeStat = client.zk.exists(lay.claims("default"))
+        return stat.version
+
+    def claim(index: int, **kwargs) -> list:
+        entry = jobs[index].entry or ""
+        data, stat = client.zk.get(lay.entry("default", "normal", entry))
+        picked = Candidate("normal", EntryName.parse(entry), data, stat, JobSpec.from_bytes(data))
+        return claims.claim([picked], line, rejoin=False, **kwargs) or []
+
+    before = signal()
+    [first] = claim(0)
+    assert signal() == before  # a claim gives nothing back
+    assert claims.release(first) and signal() == before + 1
+    [first] = claim(0)
+    assert claim(1, give_back=[(first, first.spec.to_bytes())]) and signal() == before + 2
+    [first] = claim(0, passed=True)  # passes over an entry it leaves pending
+    assert signal() == before + 3
+    path = lay.claim("default", first.id)
+    version = client.zk.exists(path).version
+    entry = lay.entry("default", "normal", first.entry.name)
+    assert reclaim(client.zk, lay, "default", entry, path, first.token, version)
+    assert signal() == before + 4
+    [first] = claim(0)
+    assert claims.sweep([], held=set()) and signal() == before + 6  # both claims were stray
+    [first] = claim(0)
+    done = Result(id=first.id, queue="default", priority="normal", status="succeeded")
+    assert claims.complete(first, done, None) and signal() == before + 6

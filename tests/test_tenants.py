@@ -376,6 +376,36 @@ def test_a_job_given_back_behind_its_lanes_frontier_runs_before_the_lanes_later_
     assert handed == [victim, *(f"{tenant}:{i}" for i in range(4))], handed
 
 
+def test_a_job_left_for_a_bigger_worker_moves_the_give_back_signal_and_runs_there(
+    client: Client, start_worker, layout
+) -> None:
+    """A head that leaves a tenant's entry for a bigger worker and claims a later one of the
+    same lane moves the lane's frontier past an entry still pending: its claim sets the
+    give-back signal, so heads that reuse their listings list the lane again. Once the bigger
+    worker stands in the line behind it, the smaller head (a slot still free) steps to the
+    back of the line, and the bigger one runs the entry."""
+    from workers.admission import Admission
+
+    def cache(pages: int) -> Admission:
+        return Admission(pages, 16, count_tokens=lambda spec: len(spec.prompt or ""))
+
+    holder = HoldRunner()
+    start_worker(holder, slots=1, admission=cache(64), name="big")
+    client.submit("hold", detach=True)
+    wait_for(lambda: holder.running() == ["hold"], message="the big worker full")
+    big = client.submit("A:big", tenant="A", max_new_tokens=200, detach=True)
+    small = client.submit_many([f"A:{i}" for i in range(3)], tenant="A", max_new_tokens=16)
+    small += client.submit_many([f"B:{i}" for i in range(3)], tenant="B", max_new_tokens=16)
+    before = client.zk.exists(layout.claims("default")).version
+    runner = RecordingRunner()
+    start_worker(runner, slots=1, admission=cache(8), name="small")  # 128 tokens: not A:big
+    assert all(j.result(timeout=20).ok for j in small)
+    assert "A:big" not in runner.seen
+    assert client.zk.exists(layout.claims("default")).version > before
+    holder.release_all()
+    assert big.result(timeout=20).worker == "big"
+
+
 def test_the_counters_format_reads_what_it_writes_and_ignores_the_rest() -> None:
     written = {"A": Counter(12.5, 3.0, {"normal": (0, 7)}), "default": Counter(4.0, None, {})}
     back = parse_counters(encode_counters(written))

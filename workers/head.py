@@ -108,6 +108,10 @@ class HeadTurn:
     _unwatch_due: bool = False
     #: The last turn claimed less than it could because of the queue's max_running.
     capped: bool = False
+    #: The last turn left a job for a bigger worker that stands behind this one in the line:
+    #: the loop sends this worker to the back of the line (``Line.step_aside``) when the
+    #: turn claimed nothing, or the bigger one would never be head.
+    step_aside: bool = False
     #: The candidates this turn read and found still there (claimed or not: ``_claim`` tells
     #: which it passes over).
     _judged: list[tuple[str, EntryName]] = field(default_factory=list)
@@ -379,6 +383,7 @@ class HeadTurn:
         are about to be given back."""
         picked: list[Candidate] = []
         self._judged = []
+        self.step_aside = False
         start = 0
         while start < len(ordered):
             # Read only as many entries as could be claimed; more only when some are refused.
@@ -462,9 +467,14 @@ class HeadTurn:
         """Too big for this worker: reject it if no registered worker of the queue could ever
         hold it, else leave it for a bigger one."""
         need = pages * self.admission.page_tokens
-        largest = self._largest_capacity()
+        records = read_records(self.zk, self.layout)
+        largest = self._largest_capacity(records)
         if largest is None or need <= largest:
             log.info("job %s left for a bigger worker: %s", entry.job_id, reason)
+            behind = set(self.line.members()) - {self.line.worker_id}
+            self.step_aside |= any(
+                r.get("id") in behind and (self._capacity(r) or 0) >= need for r in records
+            )
             return
         self._reject(
             priority,
@@ -474,14 +484,17 @@ class HeadTurn:
             f"queue {self.queue!r} holds {largest} tokens",
         )
 
-    def _largest_capacity(self) -> int | None:
+    def _largest_capacity(self, records: list[dict[str, Any]]) -> int | None:
         """The most cache positions any registered worker of this queue holds."""
-        capacities = []
-        for record in read_records(self.zk, self.layout):
-            cache = record.get("memory") or {}
-            if record.get("queue") == self.queue and cache.get("capacity_tokens") is not None:
-                capacities.append(int(cache["capacity_tokens"]))
+        capacities = [c for r in records if (c := self._capacity(r)) is not None]
         return max(capacities) if capacities else None
+
+    def _capacity(self, record: dict[str, Any]) -> int | None:
+        """The cache positions a registered worker of this queue holds (None: unknown)."""
+        cache = record.get("memory") or {}
+        if record.get("queue") != self.queue or cache.get("capacity_tokens") is None:
+            return None
+        return int(cache["capacity_tokens"])
 
     def _letter(
         self, priority: str, name: str, data: bytes, stat: Any, reason: str, job_id: str | None

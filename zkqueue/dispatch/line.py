@@ -73,6 +73,35 @@ class Line:
         self.node = None
         self._head = None
 
+    def step_aside(self) -> None:
+        """Go to the back of the line in one multi (leave and join again): the head does when
+        it leaves a job for a bigger worker standing behind it, which would otherwise never
+        be head while this one keeps a free slot."""
+        if self.node is None:
+            return
+        txn = self.zk.transaction()
+        self.add_leave(txn)
+        self.add_join(txn)
+        outcome = txn.commit()
+        if isinstance(outcome[-1], str):
+            self.committed(True, outcome[-1])
+        else:  # our node went meanwhile (a lost session): join afresh
+            self.node = None
+            self.join()
+
+    def members(self) -> list[str]:
+        """The worker ids standing in the line, in order (each member's data)."""
+        try:
+            names = sorted(self.zk.get_children(self.directory), key=line_order)
+        except NoNodeError:
+            return []
+        calls = [self.zk.get_async(child(self.directory, n)) for n in names]
+        ids = []
+        for call in calls:
+            with contextlib.suppress(NoNodeError):
+                ids.append(call.get()[0].decode(errors="replace"))
+        return ids
+
     def forget(self) -> None:
         """The session is gone, and the node with it."""
         self.node = None
