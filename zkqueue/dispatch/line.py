@@ -14,6 +14,7 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
 
+from zkqueue.protocol.claims import step_aside
 from zkqueue.protocol.layout import child, is_line_member, line_order, member_prefix
 
 log = logging.getLogger("zkq.line")
@@ -79,13 +80,7 @@ class Line:
         be head while this one keeps a free slot."""
         if self.node is None:
             return
-        txn = self.zk.transaction()
-        self.add_leave(txn)
-        self.add_join(txn)
-        outcome = txn.commit()
-        if isinstance(outcome[-1], str):
-            self.committed(True, outcome[-1])
-        else:  # our node went meanwhile (a lost session): join afresh
+        if not step_aside(self.zk, self):  # our node went meanwhile (a lost session)
             self.node = None
             self.join()
 

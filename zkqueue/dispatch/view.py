@@ -660,7 +660,8 @@ class PendingView:
                     more.add(key)
                     break
                 if not entries and bucket != numbers[-1]:
-                    self._remove_bucket(key)
+                    self.zk.delete_async(self._path(key))  # NotEmpty, NoNode: not ours to do
+                    self._forget(key)
                     continue
                 if not counting:
                     continue
@@ -675,20 +676,12 @@ class PendingView:
                     break
         return more
 
-    def _remove_bucket(self, key: tuple[str, int]) -> None:
-        self.zk.delete_async(self._path(key))  # NotEmpty or NoNode: someone else's business
-        self._forget(key)
-
     def _forget(self, key: tuple[str, int]) -> None:
         self.versions.pop(self._path(key), None)
-        self._listed_at.pop(key, None)
-        self._given_at.pop(key, None)
-        self.listed.pop(key, None)
-        self._parsed.pop(key, None)
-        self._watches.pop(key, None)
-        self._headed.discard(key)
-        self.armed.discard(key)
-        self.signalled.discard(key)
+        for book in (self._listed_at, self._given_at, self.listed, self._parsed, self._watches):
+            book.pop(key, None)
+        for marks in (self._headed, self.armed, self.signalled):
+            marks.discard(key)
 
     def _store_buckets(self, priority: str, names: list[str]) -> None:
         """Store a lane's listing: its bucket numbers (and a priority's tenants)."""
@@ -732,9 +725,8 @@ class PendingView:
         for book in (self.buckets, self.malformed, self._watches):
             book.pop(path, None)
         self.versions.pop(self._path(path), None)
-        self.armed.discard(path)
-        self.signalled.discard(path)
-        self._dirty.discard(path)
+        for marks in (self.armed, self.signalled, self._dirty):
+            marks.discard(path)
 
     def _store(self, key: tuple[str, int], names: list[str]) -> None:
         priority, bucket = key

@@ -519,6 +519,29 @@ def signal(txn: TransactionRequest, layout: Layout, queue: str) -> None:
     txn.set_data(layout.claims(queue), b"")
 
 
+def drop_claim(zk: KazooClient, layout: Layout, queue: str, claim: str, version: int) -> bool:
+    """Delete a claim nobody can read, or that names no entry (the janitor: its lease lapsed),
+    fenced by its own version; the entry, if any, is pending again (the give-back signal)."""
+    txn = zk.transaction()
+    txn.delete(claim, version)
+    signal(txn, layout, queue)
+    return not transaction_failed(txn.commit())
+
+
+def step_aside(zk: KazooClient, line: Line) -> bool:
+    """Leave ``line`` and join it again at its back, in one multi (a head that leaves a job
+    for a bigger worker behind it: ``zkqueue.dispatch.line.Line.step_aside``). False if this
+    member's node was gone (nothing done)."""
+    txn = zk.transaction()
+    line.add_leave(txn)
+    line.add_join(txn)
+    outcome = txn.commit()
+    if transaction_failed(outcome):
+        return False
+    line.committed(True, outcome[-1])
+    return True
+
+
 def reclaim(
     zk: KazooClient, layout: Layout, queue: str, entry: str, claim: str, token: int, version: int
 ) -> bool:
