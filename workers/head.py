@@ -112,6 +112,8 @@ class HeadTurn:
     #: the loop sends this worker to the back of the line (``Line.step_aside``) when the
     #: turn claimed nothing, or the bigger one would never be head.
     step_aside: bool = False
+    #: The workers' registrations, read once a turn when an entry is too big for this worker.
+    _records: list[dict[str, Any]] | None = None
     #: The candidates this turn read and found still there (claimed or not: ``_claim`` tells
     #: which it passes over).
     _judged: list[tuple[str, EntryName]] = field(default_factory=list)
@@ -145,6 +147,7 @@ class HeadTurn:
         # our last turn are the first ones our view holds: we guess they took as many as last
         # time (none if we stayed in the line) and read the ones after. A wrong guess costs a
         # third round trip (the reads after the refresh) and the reads it wasted.
+        self.step_aside, self._judged, self._records = False, [], None
         asked = self.line.ask_async()
         if asked is None and not self.line.is_head():
             self.drop_watches()
@@ -264,16 +267,16 @@ class HeadTurn:
         self.share.claimed(last)
         taken = {(c.priority, c.entry) for c in picked}
         # An entry left pending before a later one of its lane (it did not fit): the lane's
-        # frontier moves past it, so the claim sets the give-back signal (other heads list the
-        # lane again rather than hide it). Over-counted when it was lettered or ended: a
-        # re-listing, no more.
-        passed = any(
+        # frontier (written with the counters) moves past it, so the claim sets the give-back
+        # signal (other heads list the lane again rather than hide it). Over-counted when it
+        # was lettered or ended: a re-listing, no more.
+        writes = self.share.writes(
+            c.entry.tenant_name for c in picked if self.share.contended(c.priority)
+        )
+        passed = bool(writes) and any(  # without a write no frontier moves
             e.order < last.get(lane(p, e.tenant), e.order)
             for p, e in self._judged
             if (p, e) not in taken
-        )
-        writes = self.share.writes(
-            c.entry.tenant_name for c in picked if self.share.contended(c.priority)
         )
         lowest = max(picked, key=lambda c: self.view.priorities.index(c.priority)).priority
         claimed = self.claims.claim(
@@ -382,8 +385,6 @@ class HeadTurn:
         admitted; ``reads`` holds those already read; ``credit`` pages of the promised ones
         are about to be given back."""
         picked: list[Candidate] = []
-        self._judged = []
-        self.step_aside = False
         start = 0
         while start < len(ordered):
             # Read only as many entries as could be claimed; more only when some are refused.
@@ -467,14 +468,17 @@ class HeadTurn:
         """Too big for this worker: reject it if no registered worker of the queue could ever
         hold it, else leave it for a bigger one."""
         need = pages * self.admission.page_tokens
-        records = read_records(self.zk, self.layout)
+        if self._records is None:  # once a turn
+            self._records = read_records(self.zk, self.layout)
+        records = self._records
         largest = self._largest_capacity(records)
         if largest is None or need <= largest:
             log.info("job %s left for a bigger worker: %s", entry.job_id, reason)
-            behind = set(self.line.members()) - {self.line.worker_id}
-            self.step_aside |= any(
-                r.get("id") in behind and (self._capacity(r) or 0) >= need for r in records
-            )
+            if not self.step_aside:
+                behind = set(self.line.members()) - {self.line.worker_id}
+                self.step_aside = any(
+                    r.get("id") in behind and (self._capacity(r) or 0) >= need for r in records
+                )
             return
         self._reject(
             priority,

@@ -380,7 +380,7 @@ class Worker:
             self._post(Event.WAKE)  # lost a race: re-read and try again
             return
         if not claimed:
-            if self.head.step_aside:  # a bigger worker behind us: let it be head
+            if self.head.step_aside and self.line.known:  # a bigger worker behind us
                 self.head.drop_watches_soon()
                 self.line.step_aside()
                 return

@@ -1,6 +1,6 @@
 """Fair share between tenants inside a priority: the order in which the head of the line takes
-the entries of one priority's lanes (aging, which takes a lane's first entry a priority up, is
-the view's: ``zkqueue.dispatch.view``).
+the entries of one priority's lanes (aging, which takes a lane's first entry a priority up, is in
+``zkqueue.dispatch.aging``).
 
 Strict priority between bands stays. Inside a band, the head takes next from the backlogged
 tenant that has received the least weighted service: the *virtual token counter* of Sheng et al.

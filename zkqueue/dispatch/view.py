@@ -47,6 +47,7 @@ from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent, ZnodeStat
 
 from zkqueue import defaults
+from zkqueue.dispatch import aging
 from zkqueue.dispatch.share import FairShare
 from zkqueue.errors import InvalidJob
 from zkqueue.plumbing.watches import remove_child_watch, remove_data_watch
@@ -162,8 +163,11 @@ class PendingView:
         #: signal, ``zkqueue.protocol.claims``), None until listed.
         self.given: int | None = None
         #: ``given`` as it was when each bucket was last listed (read before the listing, in
-        #: the same session: a give-back after it moves ``given`` past this).
+        #: the same session: a give-back after it moves ``given`` past this); None where that
+        #: listing showed a job pending behind its lane's frontier (``_mark_behind``).
         self._given_at: dict[Part, int | None] = {}
+        #: This turn's claim frontiers were read before its claims/ listing (``_reusable``).
+        self._ahead = False
 
     def invalidate(self, part: Part | None = None) -> None:
         """Mark one part, or everything, to be re-read."""
@@ -217,6 +221,8 @@ class PendingView:
         dirty, self._dirty = self._dirty, set()
         self._fresh = set()
         self.arrived = {}
+        # The frontiers reuse hides by were read before this refresh's claims/ listing.
+        self._ahead = self.share is not None and self.share.reading
         # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
         names = {p for p in self.lanes() if p not in self.armed}
@@ -372,9 +378,12 @@ class PendingView:
         where this head chose between tenants at its last look (every claim from it then
         moves the lane's claim frontier, which hides what other heads claimed since), the lane
         has a frontier (in ``fronts``; this turn's when None), no job was given back since the
-        listing (the give-back signal), and the listing is under ``TRUST_FOR`` seconds old."""
-        if self.share is None or self.given is None or self._given_at.get(part) != self.given:
+        listing (the give-back signal), the listing showed none pending at or before the
+        frontier (one given back earlier: reuse would hide it), and it is under ``TRUST_FOR``
+        seconds old."""
+        if not self._ahead or self.given is None or self._given_at.get(part) != self.given:
             return False
+        assert self.share is not None
         path = part[0]
         known = self._front(path) if fronts is None else fronts.get(path)
         return (
@@ -455,11 +464,24 @@ class PendingView:
         comes back with the bucket's next listing."""
         if self.share is None:
             return
+        for key in self._fresh:
+            self._mark_behind(key)  # listed before the frontiers were known
         for key, entries in self.listed.items():
             front = self._hiding(key)
             if front is None or not entries or entries[0].order > front:
                 continue
             self.listed[key] = entries[bisect_right(entries, front, key=_ORDER) :]  # in order
+
+    def _mark_behind(self, key: tuple[str, int]) -> None:
+        """Make a bucket just listed not reusable if it holds an entry pending at or before
+        its lane's frontier (given back before the listing: only a fresh listing shows it)."""
+        front = self._front(key[0])
+        entries = self.listed.get(key)
+        if front is None or not entries or entries[0].order > front:
+            return
+        behind = entries[: bisect_right(entries, front, key=_ORDER)]
+        if any(e.job_id not in self.claimed for e in behind):
+            self._given_at[key] = None
 
     def _front(self, path: str) -> tuple[int, int] | None:
         """The lane's claim frontier (``FairShare.frontier``), if known."""
@@ -474,7 +496,13 @@ class PendingView:
         """Unclaimed entries in dispatch order: priority rank (entries promoted by aging first
         in the band they reached, oldest first), then inside a priority its lanes by fair share
         (one lane: bucket and sequence)."""
-        promoted = self._promoted(exclude)
+        promoted = (
+            []
+            if self.promote_after is None
+            else aging.promoted(
+                self._firsts(exclude), self.ctimes, self.priorities, self.now, self.promote_after
+            )
+        )
         skip = {e.name for _, _, _, e in promoted}
         for rank, priority in enumerate(self.priorities):
             for _, _, p, e in sorted(x for x in promoted if x[0] == rank):
@@ -503,39 +531,15 @@ class PendingView:
             if next(self._lane_entries(path, exclude), None) is not None
         )
 
-    def unaged(self, exclude: set[str]) -> list[tuple[str, EntryName]]:
-        """(lane, entry) of each lane's first unclaimed entry below the first priority whose
-        ctime the view does not know (aging needs it; the head reads them)."""
-        if self.promote_after is None:
-            return []
-        found = []
-        for path in self.lanes()[1:]:
-            if lane_parts(path)[0] == self.priorities[0]:
-                continue
-            first = next(self._lane_entries(path, exclude), None)
-            if first is not None and (path, first.name) not in self.ctimes:
-                found.append((path, first))
-        return found
+    def _firsts(self, exclude: set[str]) -> list[tuple[str, EntryName | None]]:
+        """Each lane's first unclaimed entry, as far as listed (aging's candidates)."""
+        return [(path, next(self._lane_entries(path, exclude), None)) for path in self.lanes()]
 
-    def _promoted(self, exclude: set[str]) -> list[tuple[int, float, str, EntryName]]:
-        """(band reached, ctime, priority, entry) of each lane's first entry that aging takes
-        up at least one priority."""
+    def unaged(self, exclude: set[str]) -> list[tuple[str, EntryName]]:
+        """Lanes' first entries whose ctime aging needs (``zkqueue.dispatch.aging``)."""
         if self.promote_after is None:
             return []
-        found = []
-        for path in self.lanes():
-            priority = lane_parts(path)[0]
-            rank = self.priorities.index(priority)
-            if rank == 0:
-                continue
-            first = next(self._lane_entries(path, exclude), None)
-            ctime = self.ctimes.get((path, first.name)) if first is not None else None
-            if first is None or ctime is None:
-                continue
-            steps = int(max(0.0, self.now - ctime) // self.promote_after)
-            if steps > 0:
-                found.append((max(0, rank - steps), ctime, priority, first))
-        return found
+        return aging.unaged(self._firsts(exclude), self.ctimes, self.priorities)
 
     def unwatch(self) -> None:
         """Stop watching (this worker leaves the head of the line): remove the bucket watches
@@ -614,6 +618,7 @@ class PendingView:
                 self._listed_at[part] = time.monotonic()
                 self._given_at[part] = self.given
                 self._fresh.add(part)
+                self._mark_behind(part)
             if part == CLAIMS:
                 self.claimed = set(names)
             elif isinstance(part, str):

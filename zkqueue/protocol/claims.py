@@ -20,6 +20,7 @@
             exactly when the urgent one is claimed, and its old token can no longer complete it.
 - reclaim:  (the janitor, a lapsed lease) check(entry, token) + delete(claims/<id>, version)
             + set_data(claims/).
+- dead:     create dead/<letter> [+ result + index] + delete(entry, version).
 
 The set_data(claims/) in each give-back is the **give-back signal**: claims/'s data version
 counts the jobs given back (and the claims that passed over an entry of a tenant's lane: it was
@@ -27,7 +28,6 @@ left pending behind the lane's claim frontier). A head that lists claims/ in a t
 its stat whether any job went back since it listed a bucket, so it may reuse that listing
 (``zkqueue.dispatch.view``). A claim lost with its session gives its job back without the signal:
 heads re-list what they reuse at least every ``TRUST_FOR`` seconds.
-- dead:     create dead/<letter> [+ result + index] + delete(entry, version).
 """
 
 from __future__ import annotations
