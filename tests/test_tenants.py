@@ -406,6 +406,51 @@ def test_a_job_left_for_a_bigger_worker_moves_the_give_back_signal_and_runs_ther
     assert big.result(timeout=20).worker == "big"
 
 
+def test_a_reused_listing_never_hides_a_job_given_back_before_it(
+    client: Client, new_zk, layout
+) -> None:
+    """A head reuses a bucket's listing while no job was given back since (the give-back
+    signal), and hides there the entries at or before its lane's claim frontier. A listing that
+    shows a job given back before it (pending at or before the frontier) is not reused: the
+    frontier would hide that job again, and later jobs of its lane would pass it."""
+    from zkqueue.dispatch.share import FairShare
+    from zkqueue.dispatch.view import PendingView
+    from zkqueue.protocol.layout import EntryName
+
+    a = client.submit_many([f"A:{i}" for i in range(4)], tenant="A")
+    b = client.submit_many([f"B:{i}" for i in range(4)], tenant="B")
+    order = {j.id: EntryName.parse(j.entry or "").order for j in a + b}
+    # Another head claimed A:0-A:2 and B:0-B:1, then gave A:0 back (A:1, A:2, B:0 and B:1 run).
+    fronts = {"A": order[a[2].id], "B": order[b[1].id]}
+    counters = {t: Counter(10.0, 5.0, {"normal": f}) for t, f in fronts.items()}
+    client.zk.set(layout.service("default"), encode_counters(counters))
+    for job in (a[1], a[2], b[0], b[1]):
+        client.zk.create(layout.claim("default", job.id), b"{}", ephemeral=True)
+    zk = new_zk()
+    view = PendingView(zk, layout, "default", lambda part: None)
+    share = view.share = FairShare(zk, layout, "default")
+
+    def turn() -> list[str]:
+        """A head's turn, as HeadTurn makes it: the counters read ahead (the last look chose
+        between tenants), the refresh, the frontiers, the choice; the first two candidates."""
+        share.backlogged = {"normal": frozenset({"A", "B"})}
+        share.refetch()
+        view.refresh(2)
+        share.load()
+        view.drop_behind_fronts()
+        share.observe("normal", view.backlogged("normal", set()))
+        return [e.job_id for _, e in list(view.candidates(set()))[:8]]
+
+    first = turn()
+    assert a[0].id in first and a[1].id not in first, first  # A:0 given back, A:1 running
+    lane_a, lane_b = ("normal/@A", 0), ("normal/@B", 0)
+    assert lane_a in view.listed and lane_b in view.listed
+    assert not view._reusable(lane_a)  # its listing shows A:0 behind A's frontier
+    assert view._reusable(lane_b)
+    again = turn()  # B's bucket reused; A's listed again, A:0 still there
+    assert a[0].id in again and again.index(a[0].id) < again.index(a[3].id), again
+
+
 def test_the_counters_format_reads_what_it_writes_and_ignores_the_rest() -> None:
     written = {"A": Counter(12.5, 3.0, {"normal": (0, 7)}), "default": Counter(4.0, None, {})}
     back = parse_counters(encode_counters(written))

@@ -114,6 +114,8 @@ class HeadTurn:
     step_aside: bool = False
     #: The workers' registrations, read once a turn when an entry is too big for this worker.
     _records: list[dict[str, Any]] | None = None
+    #: The other workers standing in the line, listed once a turn in the same case.
+    _members: set[str] | None = None
     #: The candidates this turn read and found still there (claimed or not: ``_claim`` tells
     #: which it passes over).
     _judged: list[tuple[str, EntryName]] = field(default_factory=list)
@@ -147,7 +149,7 @@ class HeadTurn:
         # our last turn are the first ones our view holds: we guess they took as many as last
         # time (none if we stayed in the line) and read the ones after. A wrong guess costs a
         # third round trip (the reads after the refresh) and the reads it wasted.
-        self.step_aside, self._judged, self._records = False, [], None
+        self.step_aside, self._judged, self._records, self._members = False, [], None, None
         asked = self.line.ask_async()
         if asked is None and not self.line.is_head():
             self.drop_watches()
@@ -475,7 +477,9 @@ class HeadTurn:
         if largest is None or need <= largest:
             log.info("job %s left for a bigger worker: %s", entry.job_id, reason)
             if not self.step_aside:
-                behind = set(self.line.members()) - {self.line.worker_id}
+                if self._members is None:  # once a turn, as the registrations
+                    self._members = set(self.line.members()) - {self.line.worker_id}
+                behind = self._members
                 self.step_aside = any(
                     r.get("id") in behind and (self._capacity(r) or 0) >= need for r in records
                 )

@@ -28,8 +28,10 @@ the counters each turn) hide the entries other heads claimed since, and claims/'
 which every give-back moves (the give-back signal: ``zkqueue.protocol.claims``) and which the
 head reads with the claims/ listing it makes each turn, says whether any job went back behind a
 frontier since a bucket was listed. Such a bucket's listing is reused (``_reusable``) while the
-version is the one it was listed at, for at most ``TRUST_FOR`` seconds: a claim lost with its
-session gives its job back without the signal."""
+version is the one it was listed at, for at most ``TRUST_FOR`` seconds (a claim lost with its
+session gives its job back without the signal), and only if it was made in a turn that read the
+frontiers before its claims/ listing and it showed no job pending at or before its lane's
+frontier (one given back before the listing, which the frontier would hide again)."""
 
 from __future__ import annotations
 
@@ -144,7 +146,8 @@ class PendingView:
         self.versions: dict[str, int] = {}
         #: When each bucket was last listed (monotonic; ``_idle_tails``).
         self._listed_at: dict[Part, float] = {}
-        #: Buckets listed in the last refresh (after the counters' read that came with it):
+        #: Buckets listed since the last refresh began (after the counters' read that came
+        #: with it; ``confirm`` and ``await_arrivals`` add theirs):
         #: their entries are current, whatever the lanes' claim frontiers say.
         self._fresh: set[Part] = set()
         #: The last turn found fewer candidates than it could claim (it armed watches).
@@ -458,10 +461,11 @@ class PendingView:
         return bool(parts)
 
     def drop_behind_fronts(self) -> None:
-        """Drop, from the buckets not listed in the last refresh, the entries at or before
-        their lane's claim frontier (``_lane_entries`` would skip them in every walk of the
+        """Drop, from the buckets not listed in this turn, the entries at or before their
+        lane's claim frontier (``_lane_entries`` would skip them in every walk of the
         candidates: other heads claimed them since, and most completed). One given back
-        comes back with the bucket's next listing."""
+        comes back with the bucket's next listing. The buckets listed in this turn before the
+        frontiers were read are checked against them first (``_mark_behind``)."""
         if self.share is None:
             return
         for key in self._fresh:
@@ -473,8 +477,10 @@ class PendingView:
             self.listed[key] = entries[bisect_right(entries, front, key=_ORDER) :]  # in order
 
     def _mark_behind(self, key: tuple[str, int]) -> None:
-        """Make a bucket just listed not reusable if it holds an entry pending at or before
-        its lane's frontier (given back before the listing: only a fresh listing shows it)."""
+        """Make a bucket listed in this turn not reusable if its listing holds an entry pending
+        at or before its lane's frontier (given back before the listing: only a fresh listing
+        shows it). Called once the turn's frontiers are known: for the listings made before,
+        by ``drop_behind_fronts``; for those after, by ``_read``."""
         front = self._front(key[0])
         entries = self.listed.get(key)
         if front is None or not entries or entries[0].order > front:
@@ -532,8 +538,10 @@ class PendingView:
         )
 
     def _firsts(self, exclude: set[str]) -> list[tuple[str, EntryName | None]]:
-        """Each lane's first unclaimed entry, as far as listed (aging's candidates)."""
-        return [(path, next(self._lane_entries(path, exclude), None)) for path in self.lanes()]
+        """Each lane's first unclaimed entry below the first priority, as far as listed (aging's
+        candidates)."""
+        lanes = [path for p in self.priorities[1:] for path in self.lanes(p)]
+        return [(path, next(self._lane_entries(path, exclude), None)) for path in lanes]
 
     def unaged(self, exclude: set[str]) -> list[tuple[str, EntryName]]:
         """Lanes' first entries whose ctime aging needs (``zkqueue.dispatch.aging``)."""
@@ -616,9 +624,10 @@ class PendingView:
                 self.given = stat.version  # listed first: before the buckets of this call
             if not isinstance(part, str):
                 self._listed_at[part] = time.monotonic()
-                self._given_at[part] = self.given
+                # Only a turn that read the frontiers ahead checks its listings against them
+                # (``_mark_behind``): another's are never reused.
+                self._given_at[part] = self.given if self._ahead else None
                 self._fresh.add(part)
-                self._mark_behind(part)
             if part == CLAIMS:
                 self.claimed = set(names)
             elif isinstance(part, str):
@@ -628,6 +637,7 @@ class PendingView:
                     self._store(part, names)
                 else:
                     self._store_signalled(part, (names, stat), signalled)
+                self._mark_behind(part)  # once the turn's frontiers are known
 
     def _store_signalled(self, key: tuple[str, int], listing: Any, signalled: Any) -> None:
         """Store a bucket listed with its stat just after its data was read; keep its newest

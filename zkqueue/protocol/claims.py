@@ -23,11 +23,12 @@
 - dead:     create dead/<letter> [+ result + index] + delete(entry, version).
 
 The set_data(claims/) in each give-back is the **give-back signal**: claims/'s data version
-counts the jobs given back (and the claims that passed over an entry of a tenant's lane: it was
-left pending behind the lane's claim frontier). A head that lists claims/ in a turn learns from
-its stat whether any job went back since it listed a bucket, so it may reuse that listing
-(``zkqueue.dispatch.view``). A claim lost with its session gives its job back without the signal:
-heads re-list what they reuse at least every ``TRUST_FOR`` seconds.
+counts the jobs given back (and the claims that passed over an entry of a tenant's lane and
+wrote the lane's claim frontier past it, the entry left pending behind it). A head that lists
+claims/ in a turn learns from its stat whether any job went back since it listed a bucket, so
+it may reuse that listing (``zkqueue.dispatch.view``). A claim lost with its session gives its
+job back without the signal: heads re-list what they reuse at least every ``TRUST_FOR``
+seconds.
 """
 
 from __future__ import annotations
