@@ -380,12 +380,11 @@ class Worker:
             self._post(Event.WAKE)  # lost a race: re-read and try again
             return
         if not claimed:
-            if self.head.step_aside and self.line.known:  # a bigger worker behind us
-                self.head.drop_watches_soon()
-                self.line.step_aside()
-                return
             if self.line.known:  # the head found nothing it may claim (capped: jobs wait)
                 self._queue_empty = not self.head.capped
+                if self.head.step_aside:  # a bigger worker stands behind us: let it be head
+                    self.head.drop_watches_soon()
+                    self.line.step_aside()
             return
         self._hand_in(claimed)
 
