@@ -258,28 +258,16 @@ class HeadTurn:
     ) -> list[Claim] | None:
         """Charge the tenants and move their lanes' frontiers, then claim ``picked`` in one
         multi with the counters' write and the guards of the more urgent priorities; None
-        (everything as it was) if the multi failed (``Claims.guarded``: a guard failed)."""
-        before, costs = dict(self.share.service), dict(self.share.cost)
-        fronts = dict(self.share.frontier)
-        last: dict[str, tuple[int, int]] = {}
-        for c in picked:
-            self.share.charge(c.entry.tenant_name, estimate(c.spec))
-            path = lane(c.priority, c.entry.tenant)
-            last[path] = max(c.entry.order, last.get(path, c.entry.order))
-        self.share.claimed(last)
-        taken = {(c.priority, c.entry) for c in picked}
-        # An entry left pending before a later one of its lane (it did not fit): the lane's
-        # frontier (written with the counters) moves past it, so the claim sets the give-back
-        # signal (other heads list the lane again rather than hide it). Over-counted when it
-        # was lettered or ended: a re-listing, no more.
-        writes = self.share.writes(
-            c.entry.tenant_name for c in picked if self.share.contended(c.priority)
-        )
-        passed = bool(writes) and any(  # without a write no frontier moves
-            e.order < last.get(lane(p, e.tenant), e.order)
-            for p, e in self._judged
-            if (p, e) not in taken
-        )
+        (everything as it was) if the multi failed (``Claims.guarded``: a guard failed). In a
+        queue with no tenant's lane, fair share has nothing to count: the claim alone."""
+        shared = any(self.view.tenants.values())
+        before = (self.share.service, self.share.cost, self.share.frontier)
+        writes: list[tuple[str, bytes]] = []
+        passed = False
+        if shared:
+            self.share.service, self.share.cost = dict(before[0]), dict(before[1])
+            self.share.frontier = dict(before[2])
+            writes, passed = self._charge(picked)
         lowest = max(picked, key=lambda c: self.view.priorities.index(c.priority)).priority
         claimed = self.claims.claim(
             picked,
@@ -291,8 +279,8 @@ class HeadTurn:
             passed=passed,
         )
         if claimed is None:
-            self.share.service, self.share.cost = before, costs  # nobody was served
-            self.share.frontier = fronts
+            # Nobody was served: the counters as they were (charged on copies).
+            self.share.service, self.share.cost, self.share.frontier = before
             return None
         if writes:
             self.share.saved()
@@ -303,6 +291,30 @@ class HeadTurn:
                 {t: round(v) for t, v in self.share.service.items()},
             )
         return claimed
+
+    def _charge(self, picked: list[Candidate]) -> tuple[list[tuple[str, bytes]], bool]:
+        """Charge the tenants of ``picked`` and move their lanes' frontiers: the write of the
+        counters for the claim's multi, and whether the claim passes over an entry."""
+        last: dict[str, tuple[int, int]] = {}
+        for c in picked:
+            self.share.charge(c.entry.tenant_name, estimate(c.spec))
+            path = lane(c.priority, c.entry.tenant)
+            last[path] = max(c.entry.order, last.get(path, c.entry.order))
+        self.share.claimed(last)
+        taken = {(c.priority, c.entry) for c in picked}
+        writes = self.share.writes(
+            c.entry.tenant_name for c in picked if self.share.contended(c.priority)
+        )
+        # An entry left pending before a later one of its lane (it did not fit): the lane's
+        # frontier (written with the counters) moves past it, so the claim sets the give-back
+        # signal (other heads list the lane again rather than hide it). Over-counted when it
+        # was lettered or ended: a re-listing, no more. Without a write no frontier moves.
+        passed = bool(writes) and any(
+            e.order < last.get(lane(p, e.tenant), e.order)
+            for p, e in self._judged
+            if (p, e) not in taken
+        )
+        return writes, passed
 
     def _order(self, exclude: set[str]) -> None:
         """Bring what orders the candidates up to date: the queue's aging setting and the
@@ -329,6 +341,9 @@ class HeadTurn:
                 self.view.ctimes[(path, e.name)] = stat.ctime / 1000
         if len(self.view.ctimes) > 4096:
             self.view.ctimes.clear()
+        if not any(self.view.tenants.values()):
+            self.share.backlogged.clear()  # one lane a priority: no choice between tenants
+            return
         for priority in self.view.priorities:
             self.share.observe(priority, self.view.backlogged(priority, exclude))
 

@@ -40,7 +40,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -366,9 +366,8 @@ class PendingView:
         other heads took) are left to the claim frontiers (``_lane_entries``): where tenants
         share a band, they come from as many lanes, a listing each."""
         found: set[Part] = set()
-        for p, e in chosen:
-            path = lane(p, e.tenant)
-            found |= self._up_to(path, e.bucket) | {(path, e.bucket)}
+        for path, bucket in {(lane(p, e.tenant), e.bucket) for p, e in chosen}:
+            found |= self._up_to(path, bucket) | {(path, bucket)}
         if self.share is not None and self.share.reading:
             # The frontiers come in this round trip: a listing no give-back made stale is
             # reused (guessed from the signal as last read; ``confirm`` lists what a give-back
@@ -515,8 +514,7 @@ class PendingView:
                 yield p, e
             paths = self.lanes(priority)
             if len(paths) == 1 and not skip:
-                for e in self._lane_entries(priority, exclude):
-                    yield priority, e
+                yield from zip(repeat(priority), self._lane_entries(priority, exclude))
                 continue
             streams = [
                 (lane_parts(path)[1], self._lane_entries(path, exclude | skip)) for path in paths
