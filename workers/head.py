@@ -282,6 +282,9 @@ class HeadTurn:
             # Nobody was served: the counters as they were (charged on copies).
             self.share.service, self.share.cost, self.share.frontier = before
             return None
+        if not shared:  # the cost average only, kept for when a tenant comes
+            for c in picked:
+                self.share.average(c.entry.tenant_name, estimate(c.spec))
         if writes:
             self.share.saved()
         if writes and log.isEnabledFor(logging.DEBUG):

@@ -20,7 +20,8 @@ in the first round trip of every turn where it chose between tenants last time (
 may have charged them since), and writes them in each claim multi that chose between tenants
 (no extra round trip). A claim from a band where one tenant alone waits charges its counter in
 memory only: with nobody to share with, its level does not matter until another tenant joins,
-who is lifted to it.
+who is lifted to it; in a queue with no tenant's lane at all, the head keeps only each job's
+cost in the default tenant's average (``cost``), ready for when a tenant comes.
 """
 
 from __future__ import annotations
@@ -210,6 +211,11 @@ class FairShare:
         """A job of ``tenant`` was claimed: its estimated tokens, weighted."""
         self.service[tenant] = self.service.get(tenant, 0.0) + tokens / self.weight(tenant)
         self.unsaved.add(tenant)
+        self.average(tenant, tokens)
+
+    def average(self, tenant: str, tokens: int) -> None:
+        """A job of ``tenant`` was claimed: its cost in the tenant's average (``cost``), also
+        where nothing else is counted (a queue with no tenant's lane)."""
         old = self.cost.get(tenant)
         self.cost[tenant] = tokens if old is None else 0.8 * old + 0.2 * tokens
 
