@@ -163,7 +163,7 @@ def test_every_give_back_moves_the_give_back_signal(client: Client, new_zk) -> N
     path = lay.claim("default", first.id)
     version = client.zk.exists(path).version
     entry = lay.entry("default", "normal", first.entry.name)
-    assert reclaim(client.zk, lay, "default", entry, path, first.token, version)
+    assert reclaim(client.zk, lay, "default", path, version, (entry, first.token))
     assert signal() == before + 4
     [first] = claim(0)
     assert claims.sweep([], held=set()) and signal() == before + 6  # both claims were stray

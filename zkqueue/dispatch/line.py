@@ -86,10 +86,7 @@ class Line:
 
     def members(self) -> list[str]:
         """The worker ids standing in the line, in order (each member's data)."""
-        try:
-            names = sorted(self.zk.get_children(self.directory), key=line_order)
-        except NoNodeError:
-            return []
+        names = _ordered(self._names(self.zk.get_children_async(self.directory)))
         calls = [self.zk.get_async(child(self.directory, n)) for n in names]
         ids = []
         for call in calls:
@@ -174,7 +171,7 @@ class Line:
     def _place(self, names: list[str]) -> bool | None:
         """Whether we are first among ``names``; if not, watch the predecessor (None: it left
         meanwhile, list again)."""
-        ordered = sorted((c for c in names if is_line_member(c)), key=line_order)
+        ordered = _ordered(names)
         self._alone = len(ordered) == 1
         self._likely = False
         if self.node not in ordered:
@@ -209,3 +206,8 @@ class Line:
 
     def _predecessor_gone(self, event: WatchedEvent) -> None:
         self._on_change()
+
+
+def _ordered(names: list[str]) -> list[str]:
+    """The line's members among a listing's ``names``, first first."""
+    return sorted((c for c in names if is_line_member(c)), key=line_order)

@@ -37,7 +37,7 @@ from zkqueue.operations.expiry import Expiry, ExpiryLimits
 from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, close, connect
 from zkqueue.protocol import counts
 from zkqueue.protocol import result as results
-from zkqueue.protocol.claims import Claims, drop_claim, reclaim, remove_lane
+from zkqueue.protocol.claims import Claims, reclaim, remove_lane
 from zkqueue.protocol.counters import (
     CORRECTIONS,
     encode_corrections,
@@ -193,10 +193,10 @@ class Janitor:
         if body is None or body.entry is None:
             # A claim nobody can read (or that names no entry): it only goes, fenced by its
             # own version; the entry, if any, is pending again.
-            return drop_claim(self.zk, self.layout, queue, claim, version)
+            return reclaim(self.zk, self.layout, queue, claim, version)
         priority, _, entry = body.entry.partition("/")
-        entry_path = self.layout.entry(queue, priority, entry)
-        return reclaim(self.zk, self.layout, queue, entry_path, claim, body.token, version)
+        path = self.layout.entry(queue, priority, entry)
+        return reclaim(self.zk, self.layout, queue, claim, version, (path, body.token))
 
     def _expire_waiting(
         self, queue: str, claimed: set[str], now: float, report: PassReport

@@ -520,15 +520,6 @@ def signal(txn: TransactionRequest, layout: Layout, queue: str) -> None:
     txn.set_data(layout.claims(queue), b"")
 
 
-def drop_claim(zk: KazooClient, layout: Layout, queue: str, claim: str, version: int) -> bool:
-    """Delete a claim nobody can read, or that names no entry (the janitor: its lease lapsed),
-    fenced by its own version; the entry, if any, is pending again (the give-back signal)."""
-    txn = zk.transaction()
-    txn.delete(claim, version)
-    signal(txn, layout, queue)
-    return not transaction_failed(txn.commit())
-
-
 def step_aside(zk: KazooClient, line: Line) -> bool:
     """Leave ``line`` and join it again at its back, in one multi (a head that leaves a job
     for a bigger worker behind it: ``zkqueue.dispatch.line.Line.step_aside``). False if this
@@ -544,13 +535,20 @@ def step_aside(zk: KazooClient, line: Line) -> bool:
 
 
 def reclaim(
-    zk: KazooClient, layout: Layout, queue: str, entry: str, claim: str, token: int, version: int
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    claim: str,
+    version: int,
+    entry: tuple[str, int] | None = None,
 ) -> bool:
-    """Take back a claim whose lease lapsed (the janitor): delete it if the entry still carries
-    its token and the claim was not renewed since it was read. The job is pending again (the
-    multi sets the give-back signal)."""
+    """Take back a claim whose lease lapsed (the janitor): delete it if it was not renewed
+    since it was read (its ``version``) and, when ``entry`` (path, token) is given, the entry
+    still carries the claim's token; a claim nobody can read, or that names no entry, is fenced
+    by its own version alone. The job is pending again (the multi sets the give-back signal)."""
     txn = zk.transaction()
-    txn.check(entry, token)
+    if entry is not None:
+        txn.check(*entry)
     txn.delete(claim, version)
     signal(txn, layout, queue)
     return not transaction_failed(txn.commit())
