@@ -23,8 +23,8 @@ _READ = getattr(select, "POLLIN", 1)
 _WRITE = getattr(select, "POLLOUT", 4)
 #: Errors and hang-ups wake readers and writers alike: their call fails and kazoo reconnects.
 _BROKEN = sum(getattr(select, n, 0) for n in ("POLLERR", "POLLHUP", "POLLNVAL"))
-#: Poll objects kept at most: one handler serves one connection (three sets at a time); a
-#: reconnect brings new sockets, and the old sets go at the next overflow.
+#: Poll objects a thread keeps at most: one handler serves one connection (three sets at a
+#: time); a reconnect brings new sockets, and the old sets go at the next overflow.
 _KEPT = 4
 
 
@@ -33,9 +33,18 @@ class PollingHandler(SequentialThreadingHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        #: By the (readers, writers) asked for: their poll object and who each fd stands for.
-        self._polls: dict[tuple[tuple[Any, ...], tuple[Any, ...]], _Poll] = {}
-        self._lock = threading.Lock()
+        # A poll object refuses concurrent use, so each thread keeps its own (kazoo's
+        # connection thread is the one that asks, thousands of times a second): no lock.
+        self._local = threading.local()
+
+    @property
+    def _polls(self) -> dict[tuple[tuple[Any, ...], tuple[Any, ...]], _Poll]:
+        """This thread's poll objects, by the (readers, writers) asked for."""
+        try:
+            polls: dict[tuple[tuple[Any, ...], tuple[Any, ...]], _Poll] = self._local.polls
+        except AttributeError:
+            polls = self._local.polls = {}
+        return polls
 
     def select(
         self, rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: float | None = None
@@ -47,18 +56,15 @@ class PollingHandler(SequentialThreadingHandler):
             raise ValueError("timeout must be non-negative")
         # Keyed by the socket objects themselves (kept alive here, so never confused with new
         # ones that reuse a descriptor number).
+        polls = self._polls
         key = (tuple(rlist), tuple(wlist))
-        with self._lock:  # poll objects refuse concurrent use: each caller takes its own
-            entry = self._polls.pop(key, None)
+        entry = polls.get(key)
         if entry is None or not entry.current():
             entry = _Poll(rlist, wlist)  # raises, as kazoo's does, for a closed socket
-        try:
-            ready = entry.poll.poll(None if timeout is None else math.ceil(timeout * 1000))
-        finally:
-            with self._lock:
-                if len(self._polls) >= _KEPT:
-                    self._polls.clear()
-                self._polls[key] = entry
+            if len(polls) >= _KEPT:
+                polls.clear()
+            polls[key] = entry
+        ready = entry.poll.poll(None if timeout is None else math.ceil(timeout * 1000))
         readable: list[Any] = []
         writable: list[Any] = []
         for fd, events in ready:
@@ -91,4 +97,7 @@ class _Poll:
 
     def current(self) -> bool:
         """Whether every socket still has the descriptor it was registered with (not closed)."""
-        return all(fileno() == fd for fileno, fd in self._filenos)
+        for fileno, fd in self._filenos:  # noqa: SIM110 (a loop, not all(): asked at every read)
+            if fileno() != fd:
+                return False
+        return True
