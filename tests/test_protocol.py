@@ -40,6 +40,21 @@ def test_buckets_roll_over_and_order_stays_exact(client: Client, start_worker) -
     )
 
 
+def test_a_bulk_enqueue_overfills_no_bucket_by_more_than_a_multi(client: Client) -> None:
+    """submit_many sends several multis at once, all to the tails read before them: it stops a
+    window where a tail fills, so a bucket holds at most one multi (100 entries) more than its
+    size, whatever the window (8 multis: 800 entries)."""
+    client._enqueue = Enqueuer(client, bucket_size=250)
+    jobs = client.submit_many([f"job {i}" for i in range(1500)])
+    pending = client.layout.pending("default", "normal")
+    buckets = sorted(client.zk.get_children(pending))
+    sizes = [len(client.zk.get_children(f"{pending}/{b}")) for b in buckets]
+    assert sum(sizes) == 1500
+    assert max(sizes) <= 349, sizes
+    assert len(buckets) >= 5, sizes
+    assert [j.id for j in jobs] == [r["id"] for r in client.list(limit=None)]
+
+
 def test_the_same_id_submitted_twice_runs_once(client: Client, start_worker) -> None:
     """docs/PROTOCOL.md's zkCli example, twice: the second entry is a duplicate, never run."""
     client.ensure_queue("default")

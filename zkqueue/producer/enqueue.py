@@ -4,7 +4,9 @@ connection.
 An entry goes into its priority's tail bucket, in a multi fenced by the version of the priority
 node that names the tail: a producer whose tail is stale (someone opened the next bucket) fails
 as a whole, reads the tail again and retries, so entries order exactly by (bucket, sequence). The
-producer whose entry fills a bucket opens the next one.
+producer whose entry fills a bucket opens the next one. A bulk enqueue sends several multis at
+once, all to the tails read before them; it stops a window at the chunk that fills a tail, so a
+bucket holds at most a chunk more than its size (a head lists its whole first bucket each turn).
 
 After a ConnectionLoss a create may or may not have committed. The entry's name starts with the
 job id, so the producer waits (bounded) for the connection to come back and looks the id up
@@ -13,6 +15,7 @@ before creating again: a retry never enqueues a job twice.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient
@@ -77,6 +80,9 @@ class Enqueuer:
         self.max_lanes = defaults.MAX_LANES
         #: (queue, priority) -> (tail bucket, version of the priority node) as last read.
         self._tails: dict[tuple[str, str], tuple[int, int]] = {}
+        #: (queue, priority) -> (a bucket, the sequence after the last entry this client made
+        #: there or 0 for a bucket it opened): how full the tail is, as far as it knows.
+        self._filled: dict[tuple[str, str], tuple[int, int]] = {}
 
     def _zk(self) -> KazooClient:
         return self.client.zk
@@ -146,8 +152,10 @@ class Enqueuer:
         is created again."""
         names: list[str | None] = []
         chunks = [prepared[i : i + _MULTI_CREATES] for i in range(0, len(prepared), _MULTI_CREATES)]
-        for start in range(0, len(chunks), _MULTIS_IN_FLIGHT):
-            window = chunks[start : start + _MULTIS_IN_FLIGHT]
+        start = 0
+        while start < len(chunks):
+            window = self._window(chunks[start : start + _MULTIS_IN_FLIGHT])
+            start += len(window)
             calls = [self._send(chunk, ephemeral) for chunk in window]
             for chunk, call in zip(window, calls, strict=True):
                 try:
@@ -155,6 +163,25 @@ class Enqueuer:
                 except _Stale:
                     names.extend(self._retry(chunk, ephemeral))
         return names
+
+    def _window(self, chunks: list[list[Prepared]]) -> list[list[Prepared]]:
+        """The first of ``chunks`` to send at once: every one goes to the tails read before the
+        window, and the next bucket is opened only when the replies show a tail full, so the
+        window ends with the chunk that fills a tail (the first, where this client does not
+        know how full a tail is: its reply tells)."""
+        window: list[list[Prepared]] = []
+        sent: Counter[tuple[str, str]] = Counter()
+        for chunk in chunks:
+            window.append(chunk)
+            sent.update((q, p) for _, q, p, _ in chunk)
+            if any(n >= self._room(q, p) for (q, p), n in sent.items()):
+                break
+        return window
+
+    def _room(self, queue: str, priority: str) -> int:
+        """Entries the tail bucket still takes, as far as this client knows (0: it does not)."""
+        bucket, filled = self._filled.get((queue, priority), (-1, 0))
+        return self.bucket_size - filled if bucket == self.tail(queue, priority)[0] else 0
 
     def _retry(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
         for _ in range(_STALE_TRIES):
@@ -187,12 +214,15 @@ class Enqueuer:
         full: set[tuple[str, str, int]] = set()
         for (_, queue, priority, _), path in zip(chunk, paths, strict=True):
             entry = EntryName.parse(_relative(path))
+            after = (entry.bucket, entry.seq + 1)
+            self._filled[(queue, priority)] = max(after, self._filled.get((queue, priority), after))
             if entry.seq + 1 >= self.bucket_size:
                 full.add((queue, priority, entry.bucket))
         for queue, priority, bucket in full:
             tail, version = self.tail(queue, priority)
             if bucket == tail:
                 claims.open_bucket(self._zk(), self.layout, queue, priority, tail, version)
+                self._filled[(queue, priority)] = (tail + 1, 0)
             self._tails.pop((queue, priority), None)
 
     def _recover(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
