@@ -30,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
+from typing import Any, Generic, TypeVar, overload
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, InvalidJob
@@ -191,6 +193,33 @@ def expiry_tick(finished_at: float) -> str:
     return f"{int(finished_at // defaults.EXPIRY_TICK):010d}"
 
 
+_T = TypeVar("_T")
+
+
+class _once(Generic[_T]):
+    """``functools.cached_property`` without its lock: Python 3.11's takes one at every first
+    read (3.12 dropped it), and a worker reads the order of every entry it lists. The values
+    are pure, so two threads that compute one at once store the same."""
+
+    def __init__(self, func: Callable[[Any], _T]) -> None:
+        self.func = func
+        self.name: str = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> _once[_T]: ...
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> _T: ...
+    def __get__(self, instance: object | None, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.func(instance)
+        return value
+
+
 @dataclass(frozen=True, order=True)
 class EntryName:
     """A pending entry's name below its priority, ``<bucket>/<id>-<seq>``, where ZooKeeper
@@ -203,13 +232,13 @@ class EntryName:
     tenant: str = ""
 
     # Cached (the head walks its candidates' names and orders every turn); a frozen dataclass
-    # still has an instance dict, which cached_property writes to directly.
-    @cached_property
+    # still has an instance dict, which _once writes to directly.
+    @_once
     def leaf(self) -> str:
         """The node's own name, ``<id>-<seq>``."""
         return f"{self.job_id}-{self.seq:010d}"
 
-    @cached_property
+    @_once
     def name(self) -> str:
         lane = f"{TENANT_MARK}{self.tenant}/" if self.tenant else ""
         return f"{lane}{bucket_name(self.bucket)}/{self.leaf}"
@@ -219,7 +248,7 @@ class EntryName:
         """The tenant, by name (``DEFAULT_TENANT`` for the priority's own buckets)."""
         return self.tenant or DEFAULT_TENANT
 
-    @cached_property
+    @_once
     def order(self) -> tuple[int, int]:
         """FIFO position: bucket, then the sequence (a wrapped, negative one sorts last)."""
         return self.bucket, self.seq % _SEQ_WRAP
