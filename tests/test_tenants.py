@@ -15,6 +15,7 @@ from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.errors import ExitCode, ProtocolMismatch, QueueFull
 from zkqueue.operations.janitor import Janitor
+from zkqueue.producer.enqueue import Enqueuer
 from zkqueue.protocol import revision
 from zkqueue.protocol.counters import (
     Counter,
@@ -56,6 +57,26 @@ def test_inside_a_priority_tenants_take_turns(client: Client, start_worker) -> N
     assert first.count("B") == 5, runner.seen[:12]
     assert [p for p in runner.seen if p.startswith("A")] == [f"A:{i}" for i in range(30)]
     assert [p for p in runner.seen if p.startswith("B")] == [f"B:{i}" for i in range(5)]
+
+
+def test_a_lane_whose_first_bucket_emptied_still_offers_its_next_one(
+    client: Client, layout, new_zk
+) -> None:
+    """The view itself: once the jobs of a lane's first bucket ran (their entries deleted), the
+    refresh deletes the emptied bucket, and the lane's next bucket still gives candidates."""
+    from zkqueue.dispatch.view import PendingView
+
+    client._enqueue = Enqueuer(client, bucket_size=2)
+    a = [client.submit(f"A:{i}", tenant="A", detach=True) for i in range(4)]  # 2 buckets
+    view = PendingView(new_zk(), layout, "default", lambda part: None)
+    view.refresh(2)
+    assert [e.job_id for _, e in view.candidates(set())][:2] == [a[0].id, a[1].id]
+    for job in a[:2]:  # ran on other workers
+        client.zk.delete(f"{layout.pending('default', 'normal')}/{job.entry}")
+    view.refresh(2)
+    assert [e.job_id for _, e in view.candidates(set())] == [a[2].id, a[3].id]
+    assert 0 not in view.buckets["normal/@A"]  # and the emptied bucket is gone
+    assert not client.zk.exists(layout.bucket("default", "normal/@A", 0))
 
 
 def test_weights_share_service_3_to_1(client: Client, start_worker, layout) -> None:

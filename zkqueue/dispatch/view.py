@@ -675,6 +675,12 @@ class PendingView:
                 if not entries and bucket != numbers[-1]:
                     self.zk.delete_async(self._path(key))  # NotEmpty, NoNode: not ours to do
                     self._forget(key)
+                    # Out of the lane too: an unlisted bucket ends the lane's walk
+                    # (``_lane_entries``), which would hide the buckets after it. Its bucket
+                    # names are listed again after the delete: one an entry went into anyway
+                    # (a raw producer's, created without the tail's check) comes back.
+                    self.buckets[priority] = [b for b in self.buckets[priority] if b != bucket]
+                    self._dirty.add(priority)
                     continue
                 if not counting:
                     continue
