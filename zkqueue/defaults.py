@@ -54,7 +54,7 @@ MAX_DEAD = 10_000
 JANITOR_PAGE = 2000
 JANITOR_IN_FLIGHT = 64
 #: Entries one pending bucket holds (producers open the next one past it).
-PENDING_BUCKET = 250
+PENDING_BUCKET = 1000
 #: Seconds a tenant's lane may stay empty and unchanged before the janitor removes it (and the
 #: tenant's fair-share counters with its last lane): a lane per name a gateway's callers chose
 #: (OpenAI's ``user``) must not pile up. The tenant's next job makes the lane again.

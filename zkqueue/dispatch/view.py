@@ -1,7 +1,7 @@
 """The head's view of a queue: pending entries in dispatch order and the ids of claimed ones,
 kept current by child watches that only the head of the line sets.
 
-The view is depth-flat: per priority it lists the bucket names (one per 250 entries) and only
+The view is depth-flat: per priority it lists the bucket names (one per ~1,000 entries) and only
 the first buckets, until it holds enough unclaimed candidates; a bucket's names are parsed once
 (cached by name). A bucket before the tail never gains an entry (producers' multis check the
 tail), so it is listed once more when it stops being the tail and never again; its finished
@@ -226,7 +226,7 @@ class PendingView:
         self.arrived = {}
         # The frontiers reuse hides by were read before this refresh's claims/ listing.
         self._ahead = self.share is not None and self.share.reading
-        # Each priority's bucket names stay watched (they change once per 250 jobs), so the
+        # Each priority's bucket names stay watched (they change once per ~1,000 jobs), so the
         # tails of the priorities above the best candidate are always the current ones.
         names = {p for p in self.lanes() if p not in self.armed}
         arm = names | ({CLAIMS} if self.watch_claims else set())
@@ -360,7 +360,7 @@ class PendingView:
 
     def _sources(self, chosen: list[tuple[str, EntryName]]) -> set[Part]:
         """The unwatched buckets the candidates ``chosen`` come from, and those before them in
-        their lanes: re-listed each turn (with one lane, one bucket of at most 250 names),
+        their lanes: re-listed each turn (with one lane, one bucket of at most ~1,100 names),
         since other workers' completions are not watched and their entries would otherwise be
         read as candidates and found gone. The candidates before them (that the caller expects
         other heads took) are left to the claim frontiers (``_lane_entries``): where tenants
@@ -550,7 +550,7 @@ class PendingView:
     def unwatch(self) -> None:
         """Stop watching (this worker leaves the head of the line): remove the bucket watches
         it set, so later arrivals and completions notify the new head only (the bucket names'
-        watches stay: they fire once per 250 jobs). What they covered is re-listed next
+        watches stay: they fire once per ~1,000 jobs). What they covered is re-listed next
         time. The service counters are read again next time too: another head charges them
         meanwhile."""
         if self.share is not None:

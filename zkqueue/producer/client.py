@@ -303,7 +303,7 @@ class Client(ClientBase):
 
     def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
         """Pending and running jobs of a queue in dispatch order, at most ``limit`` (None: all),
-        listing one bucket (250 entries) at a time."""
+        listing one bucket (~1,000 entries) at a time."""
         check_queue(queue)
         with self.mapped():
             self.check_protocol()

@@ -30,7 +30,7 @@ def _answer(call: Any) -> Any:
 
 
 def buckets(zk: KazooClient, layout: Layout, queue: str, priority: str) -> list[int]:
-    """A lane's bucket numbers in order (its child list: one name per 250 entries; none
+    """A lane's bucket numbers in order (its child list: one name per ~1,000 entries; none
     while the queue is not set up). ``priority`` is a lane: a priority, or its tenant's."""
     try:
         return _numbers(zk.get_children(layout.pending(queue, priority)))
