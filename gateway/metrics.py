@@ -7,11 +7,15 @@ scrape runs it on a pool thread; requests never do. Metric names are listed in d
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zkqueue.operations.exporter import cluster_registry
 from zkqueue.producer.client import Client
+from zkqueue.protocol.result import Result
+
+log = logging.getLogger("zkq.gateway")
 
 #: The paths counted as themselves; any other is one label (a client may ask for any path, and
 #: a label per path would let it grow the metrics without bound).
@@ -22,7 +26,8 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class GatewayMetrics:
-    """Requests by endpoint and HTTP status, open requests, and time to the last byte."""
+    """Requests by endpoint and HTTP status, open requests, time in the queue, to the first
+    text of a stream and to the last byte."""
 
     def __init__(self, cluster: Client | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -55,7 +60,50 @@ class GatewayMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        self.first_piece = Histogram(
+            "zkq_gateway_time_to_first_token_seconds",
+            "Seconds from a streamed completion request to its first text sent, by endpoint.",
+            ["endpoint"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.queued = Histogram(
+            "zkq_gateway_queue_seconds",
+            "Seconds a completion's job waited from its submission to its claim (to the claim "
+            "of the attempt that ended it), by endpoint.",
+            ["endpoint"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
         self._cluster = cluster_registry(cluster) if cluster is not None else None
+
+    def job_ended(
+        self, endpoint: str, job_id: str, record: Result, arrived: float, first_sent: float | None
+    ) -> None:
+        """A completion's job ended with ``record``: observe its time in the queue and, for a
+        stream, to its first text (``first_sent``; unix seconds, as ``arrived``, when the
+        request came); at info level, log its steps from the request's arrival. The claim and
+        the first token are stamped by the worker's clock, the rest by this host's."""
+        if first_sent is not None:
+            self.first_piece.labels(endpoint).observe(max(0.0, first_sent - arrived))
+        if record.submitted_at is not None and record.started_at is not None:
+            self.queued.labels(endpoint).observe(max(0.0, record.started_at - record.submitted_at))
+        if not log.isEnabledFor(logging.INFO):
+            return
+        steps = {
+            "submitted": record.submitted_at,
+            "claimed": record.started_at,
+            "first token": record.extra.get("first_token_at"),
+            "first text sent": first_sent,
+            "ended": record.finished_at,
+        }
+        said = ", ".join(
+            f"{step} {1000 * (at - arrived):+.1f} ms"
+            for step, at in steps.items()
+            if isinstance(at, (int, float))
+        )
+        context = {"job": job_id, "queue": record.queue, "priority": record.priority}
+        log.info("%s %s: %s from the request", endpoint, record.status, said, extra=context)
 
     async def render(self) -> bytes:
         """The text exposition: the gateway's metrics, then the cluster's (read on a thread)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import signal
 import socket
 import subprocess
@@ -46,6 +48,29 @@ def test_models_health_metrics_and_error_shapes(served) -> None:
     text = httpx.get(f"{gw.url}/metrics").text
     assert 'zkq_gateway_requests_total{code="404",endpoint="/v1/models/{model}"} 3.0' in text
     assert "a1" not in text and "/v1/nothing-here" not in text
+
+
+def test_metrics_and_the_info_line_time_each_job(served, caplog) -> None:
+    gw = served()
+    caplog.set_level(logging.INFO, logger="zkq.gateway")
+    stream = gw.openai().completions.create(model="default", prompt="a b c", stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == "a b c"
+    gw.openai().completions.create(model="default", prompt="not streamed")
+
+    def ended() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "zkq.gateway" and "job" in vars(r)]
+
+    wait_for(lambda: len(ended()) == 2, message="a line for each job")  # written after the body
+    text = httpx.get(f"{gw.url}/metrics").text
+    # Only a stream has a first text; both jobs waited in the queue.
+    assert 'zkq_gateway_time_to_first_token_seconds_count{endpoint="completions"} 1.0' in text
+    assert 'zkq_gateway_queue_seconds_count{endpoint="completions"} 2.0' in text
+    # The echo runner stamps no first token; the stream's line has its first text sent.
+    whole, streamed = sorted((r.getMessage() for r in ended()), key=lambda m: "first text" in m)
+    said = r"completions succeeded: submitted \+[0-9.]+ ms, claimed \+[0-9.]+ ms, "
+    ended_at = r"ended \+[0-9.]+ ms from the request"
+    assert re.fullmatch(said + r"first text sent \+[0-9.]+ ms, " + ended_at, streamed), streamed
+    assert re.fullmatch(said + ended_at, whole), whole
 
 
 def test_python_m_gateway_serves_and_stops_on_sigterm(

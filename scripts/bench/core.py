@@ -251,6 +251,13 @@ def stop_processes(procs: Iterable[subprocess.Popen[Any]], timeout: float) -> No
             proc.wait()
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Keep a process, every thread it has and every thread it starts, on ``cpus``."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
 class CpuMeter:
     """CPU seconds of named processes (the server, the worker, ZooKeeper...), read from /proc."""
 

@@ -2,7 +2,7 @@
 --continuous-batching``, same run, with the official ``openai`` client.
 
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
-        [--max-tokens 64] [--json FILE]
+        [--max-tokens 64] [--split-cores] [--json FILE]
 
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
 one model worker (``zkq worker --model DIR --max-concurrency 16``, the hf runner: transformers'
@@ -21,14 +21,23 @@ Each rep runs, on each side (which side goes first alternates):
 Reported: the p50 (concurrency 1) and p99 (concurrency 16, nearest rank:
 ``scripts.bench.core.percentile``) time to first content of each side,
 over all reps; the chunks per answer against its completion tokens; the CPU seconds each
-process spent per request. Through zkq, with ``--no-direct`` the worker writes streams into
-the jobs' claims instead (``zkq worker --no-stream``): the figure before the data plane.
+process spent per request; and where the time to first content goes through zkq at concurrency
+16: when each job was submitted, claimed, had its first token in the worker, and had its first
+text sent by the gateway, from its request's arrival there (the gateway's info line for each
+finished job).
+
+With ``--split-cores`` both engines run on the first core and ZooKeeper, the gateway and this
+client on the others: each engine has the same core to itself, as where the control plane runs
+on hosts of its own. Through zkq, with ``--no-direct`` the worker writes streams into the jobs'
+claims instead (``zkq worker --no-stream``): the figure before the data plane.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +49,7 @@ from scripts.bench.core import (
     CpuMeter,
     child_env,
     percentile,
+    pin,
     report,
     stop_processes,
     tiny_model_served,
@@ -63,7 +73,7 @@ async def one(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str
     """One streamed completion: time to first content, content chunks, tokens, text."""
     sent = time.monotonic()
     first = None
-    chunks, text, tokens = 0, [], None
+    chunks, text, tokens, answer_id = 0, [], None, None
     stream = await client.completions.create(
         model=model,
         prompt=prompt,
@@ -73,6 +83,7 @@ async def one(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str
         stream_options={"include_usage": True},
     )
     async for chunk in stream:
+        answer_id = chunk.id
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
@@ -84,6 +95,7 @@ async def one(client: Any, model: str, prompt: str, max_tokens: int) -> dict[str
                 text.append(piece)
     return {
         "ttft_s": first,
+        "id": answer_id,
         "chunks": chunks,
         "tokens": tokens,
         "text": "".join(text),
@@ -142,6 +154,9 @@ def summarize(out: dict[str, Any]) -> list[str]:
         f"({z['chunks_per_token']:.2f} a token); direct {d['chunks']:.0f} (its stream has no "
         f"usage)"
     )
+    steps = _steps_summary(out)
+    if steps:
+        lines.append(steps)
     cpu = out.get("cpu_per_request_ms")
     if cpu:
         lines.append(
@@ -162,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--worker-threads", type=int, default=None, help="torch CPU threads of the worker"
     )
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="both engines (the server, the worker) on the first core; ZooKeeper, the gateway "
+        "and this client on the others, as where the control plane has hosts of its own",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
@@ -180,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker_cmd, env=child_env(**threads), stdout=log, stderr=subprocess.STDOUT
             ),
             subprocess.Popen(
-                [*base, "serve", "--port", str(port)],
+                [*base, "serve", "--port", str(port), "--log-level", "info"],
                 env=child_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -205,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             wait_up(zkq_url.removesuffix("/v1"))
+            if args.split_cores:
+                split_cores(cpu.pids)
             for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
                 asyncio.run(side(url, name, 4, 1, args.max_tokens))
             spent = {k: 0.0 for k in cpu.pids}
@@ -234,8 +257,56 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_processes(procs, 30)
             log.close()
+            logged = steps_logged((tmp / "zkq.log").read_text())
+    for rep in out["direct"]:
+        for row in rep["c1"] + rep["c16"]:
+            del row["id"]
+    for rep in out["zkq"]:
+        for row in rep["c1"] + rep["c16"]:
+            row["steps"] = logged.get((row.pop("id") or "").split("-", 1)[-1])
     report(out, summarize(out), args.json)
     return 0
+
+
+def split_cores(pids: dict[str, int]) -> None:
+    """The engines on the first core, every other process of the run on the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split-cores needs two cores at least")
+    engines, rest = {cores[0]}, set(cores[1:])
+    for name, pid in pids.items():
+        pin(pid, engines if name in ("server", "worker") else rest)
+    pin(os.getpid(), rest)
+
+
+#: The gateway's line for each finished job (``zkq serve --log-level info``): its steps in
+#: milliseconds from the request's arrival.
+_STEPS_LINE = re.compile(r"zkq\.gateway: \w+ \w+: (.*) from the request \[job=(\S+)")
+_STEP = re.compile(r"([a-z ]+) ([+-][0-9.]+) ms")
+
+
+def steps_logged(log_text: str) -> dict[str, dict[str, float]]:
+    """Each job's steps (ms from its request's arrival at the gateway), by job id."""
+    found = {}
+    for said, job_id in _STEPS_LINE.findall(log_text):
+        found[job_id] = {step.strip(): float(ms) for step, ms in _STEP.findall(said)}
+    return found
+
+
+def _steps_summary(out: dict[str, Any]) -> str | None:
+    """p50 / p99 of each step of the requests at concurrency 16 through zkq."""
+    rows = [r["steps"] for rep in out["zkq"] for r in rep["c16"] if r.get("steps")]
+    if not rows:
+        return None
+    parts = []
+    for step in ("submitted", "claimed", "first token", "first text sent"):
+        values = [r[step] for r in rows if step in r]
+        if values:
+            parts.append(f"{step} {statistics.median(values):.1f} / {percentile(values, 99):.1f}")
+    return (
+        f"through zkq at concurrency 16, ms from a request's arrival at the gateway, p50 / p99 "
+        f"({len(rows)} requests): " + ", ".join(parts)
+    )
 
 
 def _p50(rows: list[dict[str, Any]]) -> float:
