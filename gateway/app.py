@@ -36,7 +36,7 @@ from gateway.errors import (
     from_zkq,
     invalid,
 )
-from gateway.metrics import GatewayMetrics, endpoint_label
+from gateway.metrics import GatewayMetrics, Timing, endpoint_label
 from gateway.pools import Pools
 from gateway.ratelimits import RateLimits
 from gateway.sse import ClientGone, EventStream, until_hangup
@@ -101,7 +101,7 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == fmt.CHAT else "completions"
-        started, arrived = time.monotonic(), time.time()
+        started, timing = time.monotonic(), Timing(endpoint, time.time())
         key = self._authorize(request)
         request.state.key = key  # its rate limits go on every answer, errors too (_answer)
         job_request = fmt.parse(kind, await _json(request), self.config.max_tokens)
@@ -126,7 +126,6 @@ class Gateway:
         headers["X-Zkq-Tenant"] = tenant or DEFAULT_TENANT
         headers.update(self.limits.headers(key))
         self.metrics.open.inc()
-        first_sent: list[float] = []  # when a stream's first text went out
 
         def done() -> None:
             release()
@@ -136,12 +135,11 @@ class Gateway:
             if job.record is None:  # the caller went away, or an error: nobody reads it now
                 job.abandon()
             else:
-                sent = first_sent[0] if first_sent else None
-                self.metrics.job_ended(endpoint, job.id, job.record, arrived, sent)
+                self.metrics.job_ended(job.id, job.record, timing)
 
         if job_request.stream:
             self.metrics.requests.labels(endpoint_label(request.url.path), "200").inc()
-            events = self._events(job_request, job, timeout, first_sent)
+            events = self._events(job_request, job, timeout, timing)
             return EventStream(events, headers, done, self.metrics.withdrawn.inc)
         try:
             record = await until_hangup(request.receive, job.result(timeout))
@@ -192,18 +190,18 @@ class Gateway:
             raise from_zkq(exc, self.config.retry_after) from None
 
     async def _events(
-        self, request: fmt.JobRequest, job: AsyncJob, timeout: float, first_sent: list[float]
+        self, request: fmt.JobRequest, job: AsyncJob, timeout: float, timing: Timing
     ) -> AsyncIterator[bytes]:
         """Server-sent events: the pieces, a last chunk with finish_reason, usage if asked,
-        then ``[DONE]``; a job that fails mid-way sends an error event instead. The time its
-        first piece is handed to the server goes into ``first_sent``."""
+        then ``[DONE]``; a job that fails mid-way sends an error event instead. The first
+        piece's time goes into ``timing`` (and the metrics, whatever the stream's end)."""
         created = int(time.time())
         if request.kind == fmt.CHAT:
             yield _sse(fmt.chunk(request, job.id, created, "", first=True))
         try:
             async for piece in job.stream(timeout):
-                if not first_sent:
-                    first_sent.append(time.time())
+                if timing.first_sent is None:
+                    self.metrics.first_text(timing)
                 yield _sse(fmt.chunk(request, job.id, created, piece))
         except ZkqError as exc:
             yield self._stream_error(from_zkq(exc, self.config.retry_after))

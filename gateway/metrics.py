@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from zkqueue.operations.exporter import cluster_registry
+from zkqueue.plumbing.logs import job_context
 from zkqueue.producer.client import Client
 from zkqueue.protocol.result import Result
 
@@ -23,6 +26,16 @@ _PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
 
 #: Latency buckets, seconds: from an echo job to a long generation.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass
+class Timing:
+    """When a completion request came, and when its first text went out (a stream's; unix
+    seconds, this host's clock), by endpoint (``chat`` or ``completions``)."""
+
+    endpoint: str
+    arrived: float
+    first_sent: float | None = None
 
 
 class GatewayMetrics:
@@ -60,8 +73,8 @@ class GatewayMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
-        self.first_piece = Histogram(
-            "zkq_gateway_time_to_first_token_seconds",
+        self.first_text_seconds = Histogram(
+            "zkq_gateway_first_text_seconds",
             "Seconds from a streamed completion request to its first text sent, by endpoint.",
             ["endpoint"],
             buckets=_BUCKETS,
@@ -70,40 +83,45 @@ class GatewayMetrics:
         self.queued = Histogram(
             "zkq_gateway_queue_seconds",
             "Seconds a completion's job waited from its submission to its claim (to the claim "
-            "of the attempt that ended it), by endpoint.",
+            "of the attempt that ended it; the claim stamped by the worker's clock, the "
+            "submission by ZooKeeper's), by endpoint.",
             ["endpoint"],
             buckets=_BUCKETS,
             registry=self.registry,
         )
         self._cluster = cluster_registry(cluster) if cluster is not None else None
 
-    def job_ended(
-        self, endpoint: str, job_id: str, record: Result, arrived: float, first_sent: float | None
-    ) -> None:
-        """A completion's job ended with ``record``: observe its time in the queue and, for a
-        stream, to its first text (``first_sent``; unix seconds, as ``arrived``, when the
-        request came); at info level, log its steps from the request's arrival. The claim and
-        the first token are stamped by the worker's clock, the rest by this host's."""
-        if first_sent is not None:
-            self.first_piece.labels(endpoint).observe(max(0.0, first_sent - arrived))
+    def first_text(self, timing: Timing) -> None:
+        """A stream sends its first text now."""
+        timing.first_sent = time.time()
+        self.first_text_seconds.labels(timing.endpoint).observe(timing.first_sent - timing.arrived)
+
+    def job_ended(self, job_id: str, record: Result, timing: Timing) -> None:
+        """A completion's job ended with ``record``: observe its time in the queue and, at info
+        level, log its steps from the request's arrival. Each step is stamped by the clock of
+        what took it: the submission by ZooKeeper's (the entry's creation, whole milliseconds:
+        it may come out a fraction of a millisecond before the arrival), the claim, the first
+        token (where the runner reports it) and the end by the worker's, the first text sent (a
+        stream's) by this host's."""
         if record.submitted_at is not None and record.started_at is not None:
-            self.queued.labels(endpoint).observe(max(0.0, record.started_at - record.submitted_at))
+            wait = max(0.0, record.started_at - record.submitted_at)
+            self.queued.labels(timing.endpoint).observe(wait)
         if not log.isEnabledFor(logging.INFO):
             return
         steps = {
             "submitted": record.submitted_at,
             "claimed": record.started_at,
             "first token": record.extra.get("first_token_at"),
-            "first text sent": first_sent,
+            "first text sent": timing.first_sent,
             "ended": record.finished_at,
         }
         said = ", ".join(
-            f"{step} {1000 * (at - arrived):+.1f} ms"
+            f"{step} {1000 * (at - timing.arrived):+.1f} ms"
             for step, at in steps.items()
             if isinstance(at, (int, float))
         )
-        context = {"job": job_id, "queue": record.queue, "priority": record.priority}
-        log.info("%s %s: %s from the request", endpoint, record.status, said, extra=context)
+        context = job_context(job_id, record.queue, record.priority, record.worker or "")
+        log.info("%s %s: %s from the request", timing.endpoint, record.status, said, extra=context)
 
     async def render(self) -> bytes:
         """The text exposition: the gateway's metrics, then the cluster's (read on a thread)."""

@@ -10,8 +10,8 @@ pair runs one process in each tree, which goes first alternating. A process impo
 own bench harness (``scripts.bench.core.Bench``: a ZooKeeper and agent processes of its own, the
 tree's zkq), runs the shape once with 100 jobs to warm up (not with ``--cold``: then the timed
 run is the process's first, as the suites' first shape is), then ``--runs`` timed runs
-(``scripts.bench.dispatch.zkq_run``, the suites' own run). The bench harness has had these
-names since the first dispatch suite, so any two commits since then compare.
+(``scripts.bench.dispatch.zkq_run``, the suites' own run). Any two commits since the bench became
+the package ``scripts.bench`` (67c0787) compare: their harness has these names.
 
 Reported: the medians over every run of the rate, the workers' and ZooKeeper's CPU a job and
 the head's timers, each tree's and new / old.
@@ -39,8 +39,11 @@ from scripts.bench.core import Bench, Config
 from scripts.bench.dispatch import zkq_run
 
 def main():
-    procs, slots, mode, jobs, runs, cold = json.loads(sys.argv[1])
-    bench = Bench(Config.make(quick=False, scenarios=()), Path(tempfile.mkdtemp()))
+    shape = json.loads(sys.argv[1])
+    with tempfile.TemporaryDirectory() as out:
+        run(Bench(Config.make(quick=False, scenarios=()), Path(out)), *shape)
+
+def run(bench, procs, slots, mode, jobs, runs, cold):
     try:
         if not cold:
             zkq_run(bench, procs, slots, mode, 100)
@@ -90,7 +93,8 @@ def summarize(out: dict[str, Any]) -> list[str]:
             continue
         a = statistics.median(r[name] for r in old)
         b = statistics.median(r[name] for r in new)
-        lines.append(f"  {name:<18} {a:9.3f} / {b:9.3f}  ({b / a:.3f})")
+        ratio = f"{b / a:.3f}" if a else "-"
+        lines.append(f"  {name:<18} {a:9.3f} / {b:9.3f}  ({ratio})")
     return lines
 
 
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for tree in (args.old, args.new):
         if not (tree / "scripts" / "bench" / "dispatch.py").is_file():
             parser.error(f"{tree} is not a checkout of zkq with its bench")
+    if args.pairs < 1 or args.runs < 1 or args.jobs < 1:
+        parser.error("--pairs, --runs and --jobs take a whole number from 1")
     runs = 1 if args.cold else args.runs
     shape = [args.procs, args.slots, args.mode, args.jobs, runs, args.cold]
     name = f"{args.procs}x{args.slots} {args.mode}{' cold' if args.cold else ''}"
