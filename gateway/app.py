@@ -79,7 +79,9 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": await self.pools.models()})
+        body = {"object": "list", "data": await self.pools.models()}
+        self._answered(request, 200)
+        return JSONResponse(body)
 
     async def model(self, request: Request) -> Response:
         self._authorize(request)
@@ -87,6 +89,7 @@ class Gateway:
         found = [m for m in await self.pools.models() if m["id"] == name]
         if not found:
             raise ApiError(404, f"the model {name!r} does not exist", NOT_FOUND, "model_not_found")
+        self._answered(request, 200)
         return JSONResponse(found[0])
 
     async def health(self, request: Request) -> Response:
@@ -96,6 +99,11 @@ class Gateway:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(await self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def _answered(self, request: Request, status: int) -> None:
+        """Count an answer by endpoint and status (errors are counted where they are made into
+        answers: ``_answer``)."""
+        self.metrics.requests.labels(endpoint_label(request.url.path), str(status)).inc()
 
     # -- a completion ------------------------------------------------------------------------
 
@@ -138,13 +146,14 @@ class Gateway:
                 self.metrics.job_ended(job.id, job.record, timing)
 
         if job_request.stream:
-            self.metrics.requests.labels(endpoint_label(request.url.path), "200").inc()
+            self._answered(request, 200)
             events = self._events(job_request, job, timeout, timing)
             return EventStream(events, headers, done, self.metrics.withdrawn.inc)
         try:
             record = await until_hangup(request.receive, job.result(timeout))
         except ClientGone:
             self.metrics.withdrawn.inc()
+            self._answered(request, 499)
             return Response(status_code=499)  # nobody reads it; the name of nginx's code
         except ZkqError as exc:
             raise from_zkq(exc, self.config.retry_after) from None
@@ -160,7 +169,7 @@ class Gateway:
         if not record.ok:
             raise from_result(record)
         body = fmt.completion(job_request, job.id, record, int(time.time()))
-        self.metrics.requests.labels(endpoint_label(request.url.path), "200").inc()
+        self._answered(request, 200)
         return JSONResponse(body, headers=headers)
 
     async def _submit(
@@ -337,6 +346,7 @@ def create_app(client: AsyncClient, config: GatewayConfig, metrics: bool = True)
         if owned:
             await client.start()
         app.state.gateway = Gateway(client, config, metrics)
+        client.stream_http()  # before the first stream, which would wait for it
         try:
             yield
         finally:

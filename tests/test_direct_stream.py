@@ -176,6 +176,7 @@ def test_zkq_submit_stream_cut_by_a_killed_worker_exits_11(
         proc.wait(60)
     assert proc.returncode == ExitCode.STREAM_INTERRUPTED, err
     assert "stream of job" in err and "stopped after" in err and "Traceback" not in err, err
+    assert "zkq result" in err and "result()" not in err, err  # a shell user's next command
     assert WORDS.startswith(out.strip())
 
 

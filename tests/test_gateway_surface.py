@@ -47,6 +47,9 @@ def test_models_health_metrics_and_error_shapes(served) -> None:
         assert httpx.get(f"{gw.url}/v1/models/{name}").status_code == 404
     text = httpx.get(f"{gw.url}/metrics").text
     assert 'zkq_gateway_requests_total{code="404",endpoint="/v1/models/{model}"} 3.0' in text
+    # The model list (once) and one model (once) answered above count too.
+    assert 'zkq_gateway_requests_total{code="200",endpoint="/v1/models"} 1.0' in text
+    assert 'zkq_gateway_requests_total{code="200",endpoint="/v1/models/{model}"} 1.0' in text
     assert "a1" not in text and "/v1/nothing-here" not in text
 
 

@@ -45,6 +45,18 @@ def test_a_tenants_job_lands_in_its_lane_and_runs(client: Client, start_worker) 
     assert job.result(timeout=10).status == "succeeded"
 
 
+def test_ls_places_each_pending_job_as_status_does(client: Client) -> None:
+    high = client.submit("urgent", priority="high", detach=True)
+    mine = [client.submit(f"default:{i}", detach=True) for i in range(3)]
+    theirs = [client.submit(f"B:{i}", tenant="B", detach=True) for i in range(2)]
+    rows = {row["id"]: row for row in client.list()}
+    # Workers take between lanes by fair share: B's first job is next after the high one,
+    # not behind every job of the default tenant.
+    for job, place in [(high, 1), *zip(mine, (2, 3, 4), strict=True), (theirs[0], 2)]:
+        assert rows[job.id]["position"] == place == job.info()["position"], rows[job.id]
+    assert rows[theirs[1].id]["position"] == 3
+
+
 def test_inside_a_priority_tenants_take_turns(client: Client, start_worker) -> None:
     """A backlog of A's jobs, then a few of B's: B's are taken in turn with A's, not after
     all of A's; inside each tenant first come, first served."""
@@ -306,6 +318,8 @@ class SlowRecorder(RecordingRunner):
 def test_queue_tenant_and_promote_after_from_the_cli(zkq, client: Client) -> None:
     made = zkq("queue", "create", "llama", "--promote-after", "120")
     assert made.returncode == 0 and "promote after 120s" in made.stdout, made.stderr
+    assert "promote after 120s" in zkq("queues").stdout  # both listings say it too
+    assert "promote_after=120s" in zkq("stats").stdout
     weighted = zkq("queue", "tenant", "llama", "team-a", "--weight", "3", "--max-pending", "5")
     assert weighted.returncode == 0 and "tenant team-a: weight 3, max pending 5" in weighted.stdout
     uncapped = zkq("queue", "tenant", "llama", "team-a", "--max-pending", "none")

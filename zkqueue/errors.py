@@ -124,6 +124,14 @@ class StreamInterrupted(ZkqError):
 
     exit_code = ExitCode.STREAM_INTERRUPTED
 
+    def __init__(self, job_id: str, sent: int, why: str) -> None:
+        super().__init__(
+            f"the stream of job {job_id} stopped after {sent} characters: {why}; the job goes "
+            f"on, and its result is what result() returns"
+        )
+        #: The job, how many characters its caller was handed, and why the stream stopped.
+        self.job_id, self.sent, self.why = job_id, sent, why
+
 
 class ProtocolMismatch(ConfigurationError):
     """The root was written by another version of the znode layout (``zkq migrate`` moves a

@@ -22,7 +22,7 @@ from zkqueue.cli.common import (
     read_stdin,
     require_queue,
 )
-from zkqueue.errors import ExitCode, Interrupted, JobTimeout
+from zkqueue.errors import ExitCode, Interrupted, JobTimeout, StreamInterrupted
 from zkqueue.producer.job import Job
 from zkqueue.protocol.layout import (
     DEFAULT_TENANT,
@@ -223,8 +223,17 @@ def _interrupted(job: Job | None) -> str:
 
 
 def _print_stream(job: Job, timeout: float | None) -> int:
-    for piece in job.stream(timeout=timeout):
-        click.echo(piece, nl=False)
+    try:
+        for piece in job.stream(timeout=timeout):
+            click.echo(piece, nl=False)
+    except StreamInterrupted as exc:
+        click.echo()  # end the line the stream stopped in
+        click.echo(
+            f"zkq: the stream of job {exc.job_id} stopped after {exc.sent} characters: "
+            f"{exc.why}; the job goes on: `zkq result {exc.job_id} --wait` prints its answer",
+            err=True,
+        )
+        return int(exc.exit_code)
     click.echo()
     record = job.result()
     if not record.ok:
@@ -339,7 +348,11 @@ def cancel(ctx: click.Context, job_id: str, queue: str | None) -> None:
 @click.pass_context
 @handles_errors
 def ls(ctx: click.Context, queue: str, limit: int, all_: bool, as_json: bool) -> None:
-    """List pending and running jobs in dispatch order (the first --limit of them).
+    """List pending and running jobs (the first --limit of them): by priority, and in each
+    the default tenant's jobs, then each tenant's by name, each in the order workers take
+    them. Between tenants workers take by fair share, so a pending job's #N is its place as
+    `zkq status` gives it: the jobs of higher priorities, and those ahead of it in its
+    tenant's lane.
 
     \b
     Example:

@@ -39,6 +39,8 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     for name, q in data["queues"].items():
         depth = " ".join(f"{p}={n}" for p, n in q["depth"].items())
         limits = " ".join(f"{k}={q[k] or 'none'}" for k in ("max_pending", "max_running") if k in q)
+        if q.get("promote_after"):
+            limits += f" promote_after={q['promote_after']:g}s"
         click.echo(
             f"{name}: waiting={q['pending']} running={q['running']} {limits}  ({depth})  "
             f"idle_workers={q['idle_workers']} results={q['results']} dead={q['dead']}"

@@ -302,8 +302,10 @@ class Client(ClientBase):
         return round(position / rate, 1) if rate > 0 else None
 
     def list(self, queue: str = defaults.QUEUE, limit: int | None = None) -> list[dict[str, Any]]:
-        """Pending and running jobs of a queue in dispatch order, at most ``limit`` (None: all),
-        listing one bucket (~1,000 entries) at a time."""
+        """Pending and running jobs of a queue, at most ``limit`` (None: all), listing one
+        bucket (~1,000 entries) at a time: priority by priority, and in each lane by lane (the
+        default tenant's, then each tenant's by name; the head takes between them by fair
+        share). A pending job's ``position`` is the one ``Job.info()`` gives."""
         check_queue(queue)
         with self.mapped():
             self.check_protocol()

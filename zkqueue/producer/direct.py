@@ -97,10 +97,7 @@ class Transcript:
         return self.take(record.output)
 
     def interrupted(self, why: str) -> None:
-        raise StreamInterrupted(
-            f"the stream of job {self.job_id} stopped after {len(self.sent)} characters: {why}; "
-            f"the job goes on, and its result is what result() returns"
-        )
+        raise StreamInterrupted(self.job_id, len(self.sent), why)
 
 
 class Tap:
@@ -319,6 +316,10 @@ class StreamReading:
     ) -> None:
         self.transcript = Transcript(job_id)
         self._client, self._tap_class, self._wake = client, tap, wake
+        # Made now, while the job waits for its claim: the first in a process (importing httpx,
+        # loading the CA bundle) takes about a tenth of a second, which would otherwise delay
+        # the first text of the first stream.
+        client.stream_http()
         self._tap: AsyncTap | ThreadTap | None = None
         #: Why the attempt that streamed text stopped, once its end is being checked.
         self._broken: str | None = None

@@ -1,4 +1,4 @@
-"""Listing a queue's jobs in dispatch order, page by page, and a job's place in it."""
+"""Listing a queue's jobs, page by page, and a job's place in the order workers take them."""
 
 from __future__ import annotations
 
@@ -26,22 +26,45 @@ def claimed(zk: KazooClient, layout: Layout, queue: str) -> set[str]:
         return set()
 
 
+class _Places:
+    """Each pending job's place as ``position`` gives it: the pending jobs of the priorities
+    above its own, and those ahead of it in its own lane. Other tenants' lanes of its priority
+    are not counted: the head takes from them by fair share, interleaved with its lane."""
+
+    def __init__(self) -> None:
+        self.priority: str | None = None
+        #: Pending jobs of the priorities listed before ``priority``, and of ``priority`` so far.
+        self.higher, self.here = 0, 0
+        self.lanes: dict[str, int] = {}
+
+    def next(self, priority: str, tenant: str) -> int:
+        if priority != self.priority:
+            self.priority, self.higher, self.here = priority, self.higher + self.here, 0
+            self.lanes = {}
+        self.here += 1
+        self.lanes[tenant] = self.lanes.get(tenant, 0) + 1
+        return self.higher + self.lanes[tenant]
+
+
 def list_jobs(
     zk: KazooClient, layout: Layout, queue: str, limit: int | None
 ) -> list[dict[str, Any]]:
-    """Pending and running jobs in dispatch order, at most ``limit`` (None: all)."""
+    """Pending and running jobs, at most ``limit`` (None: all): priority by priority, and in
+    each lane by lane (the default tenant's, then each tenant's by name), each lane in the
+    order its jobs are taken; between lanes the head takes by fair share. A pending job's
+    ``position`` is its place as ``position`` counts it."""
     running = claimed(zk, layout, queue)
     rows: list[dict[str, Any]] = []
-    position = 0
+    places = _Places()
     page: list[tuple[str, EntryName]] = []
     for item in counts.in_order(zk, layout, queue):
         if limit is not None and len(rows) + len(page) >= limit:
             break
         page.append(item)
         if len(page) >= _PAGE:
-            position = _rows(zk, layout, queue, page, running, rows, position)
+            _rows(zk, layout, queue, page, running, rows, places)
             page = []
-    _rows(zk, layout, queue, page, running, rows, position)
+    _rows(zk, layout, queue, page, running, rows, places)
     return rows
 
 
@@ -52,8 +75,8 @@ def _rows(
     page: list[tuple[str, EntryName]],
     running: set[str],
     rows: list[dict[str, Any]],
-    position: int,
-) -> int:
+    places: _Places,
+) -> None:
     stats = [zk.exists_async(layout.entry(queue, p, e.name)) for p, e in page]
     claims = {
         e.job_id: zk.get_async(layout.claim(queue, e.job_id))
@@ -75,10 +98,8 @@ def _rows(
         if entry.job_id in claims:
             row.update(state=RUNNING, worker=_claim_worker(claims[entry.job_id]))
         else:
-            position += 1
-            row.update(state=PENDING, position=position)
+            row.update(state=PENDING, position=places.next(priority, entry.tenant_name))
         rows.append(row)
-    return position
 
 
 def position(zk: KazooClient, layout: Layout, queue: str, entry: str) -> int | None:

@@ -98,6 +98,7 @@ def queue_table(
                 "dead": stats["dead"] if stats else 0,
                 "max_pending": stats["max_pending"] if stats else None,
                 "max_running": stats["max_running"] if stats else None,
+                "promote_after": stats["promote_after"] if stats else None,
             }
         )
     return rows
