@@ -345,9 +345,9 @@ def create_app(client: AsyncClient, config: GatewayConfig, metrics: bool = True)
         owned = not client.started
         if owned:
             await client.start()
-        app.state.gateway = Gateway(client, config, metrics)
-        client.stream_http()  # before the first stream, which would wait for it
         try:
+            app.state.gateway = Gateway(client, config, metrics)
+            client.stream_http()  # before the first stream, which would wait for it
             yield
         finally:
             if owned:

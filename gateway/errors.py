@@ -79,8 +79,12 @@ def from_zkq(exc: ZkqError, retry_after: int) -> ApiError:
         return ApiError(503, f"the queue is unavailable: {exc}", UNAVAILABLE, "zookeeper")
     if isinstance(exc, JobWithdrawn):
         return ApiError(503, str(exc), UNAVAILABLE, "withdrawn")
-    if isinstance(exc, StreamInterrupted):
-        return ApiError(502, str(exc), SERVER, "stream_interrupted")
+    if isinstance(exc, StreamInterrupted):  # the request is withdrawn as the answer ends
+        message = (
+            f"the stream of job {exc.job_id} stopped after {exc.sent} characters: {exc.why}; "
+            f"the request was withdrawn: send it again"
+        )
+        return ApiError(502, message, SERVER, "stream_interrupted")
     return ApiError(500, f"internal error: {exc}", SERVER, "internal")
 
 

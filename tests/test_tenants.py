@@ -57,6 +57,24 @@ def test_ls_places_each_pending_job_as_status_does(client: Client) -> None:
     assert rows[theirs[1].id]["position"] == 3
 
 
+def test_running_jobs_in_other_lanes_move_no_ones_place(client: Client, start_worker) -> None:
+    runner = HoldRunner()
+    start_worker(runner, slots=2)
+    client.submit("A-run", detach=True)
+    client.submit("C-run", tenant="C", detach=True)
+    wait_for(lambda: sorted(runner.running()) == ["A-run", "C-run"], message="both held")
+    mine = [client.submit(f"default:{i}", detach=True) for i in range(3)]
+    theirs = [client.submit(f"B:{i}", tenant="B", detach=True) for i in range(2)]
+    low = client.submit("later", priority="low", detach=True)
+    rows = {row["id"]: row for row in client.list()}
+    expected = [*zip(mine, (1, 2, 3), strict=True), *zip(theirs, (1, 2), strict=True), (low, 6)]
+    try:
+        for job, place in expected:
+            assert rows[job.id]["position"] == place == job.info()["position"], rows[job.id]
+    finally:
+        runner.release_all()
+
+
 def test_inside_a_priority_tenants_take_turns(client: Client, start_worker) -> None:
     """A backlog of A's jobs, then a few of B's: B's are taken in turn with A's, not after
     all of A's; inside each tenant first come, first served."""

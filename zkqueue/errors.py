@@ -132,6 +132,9 @@ class StreamInterrupted(ZkqError):
         #: The job, how many characters its caller was handed, and why the stream stopped.
         self.job_id, self.sent, self.why = job_id, sent, why
 
+    def __reduce__(self) -> tuple[type[StreamInterrupted], tuple[str, int, str]]:
+        return type(self), (self.job_id, self.sent, self.why)  # copy and pickle
+
 
 class ProtocolMismatch(ConfigurationError):
     """The root was written by another version of the znode layout (``zkq migrate`` moves a

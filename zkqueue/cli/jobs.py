@@ -228,9 +228,10 @@ def _print_stream(job: Job, timeout: float | None) -> int:
             click.echo(piece, nl=False)
     except StreamInterrupted as exc:
         click.echo()  # end the line the stream stopped in
+        # The request is attached (--stream takes no --detach): it is withdrawn as we exit.
         click.echo(
             f"zkq: the stream of job {exc.job_id} stopped after {exc.sent} characters: "
-            f"{exc.why}; the job goes on: `zkq result {exc.job_id} --wait` prints its answer",
+            f"{exc.why}; the request is withdrawn as zkq exits: submit it again",
             err=True,
         )
         return int(exc.exit_code)

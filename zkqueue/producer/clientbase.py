@@ -4,6 +4,7 @@ build the same state from them, and the session accessor. They differ only in ho
 
 from __future__ import annotations
 
+import threading
 from typing import Any, TypedDict, Unpack
 
 from kazoo.client import KazooClient
@@ -73,16 +74,19 @@ class ClientBase:
         self.direct_streams = options.get("direct_streams", True)
         #: The HTTP client that reads streams from workers, made on first use.
         self._http: Any = None
+        self._http_made = threading.Lock()
 
     def stream_http(self) -> Any:
         """The HTTP client (httpx) that reads jobs' streams from their workers; None when this
-        client reads streams from claims only (``direct_streams=False``, or no httpx)."""
-        if self._http is None and self.direct_streams:
-            from zkqueue.producer.direct import http_client
+        client reads streams from claims only (``direct_streams=False``, or no httpx), or is
+        not started (a closed client makes none: nothing would close it)."""
+        with self._http_made:  # one per client, whichever thread asks first
+            if self._http is None and self.direct_streams and self._zk is not None:
+                from zkqueue.producer.direct import http_client
 
-            self._http = http_client(self.settings, asynchronous=self._asynchronous)
-            self.direct_streams = self._http is not None
-        return self._http
+                self._http = http_client(self.settings, asynchronous=self._asynchronous)
+                self.direct_streams = self._http is not None
+            return self._http
 
     #: Whether this face reads streams on an event loop (AsyncClient) or on threads.
     _asynchronous = False

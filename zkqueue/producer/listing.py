@@ -8,7 +8,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from zkqueue import defaults
-from zkqueue.errors import CorruptRecord
+from zkqueue.errors import CorruptRecord, InvalidJob
 from zkqueue.protocol import counts
 from zkqueue.protocol.jobpaths import PENDING, RUNNING
 from zkqueue.protocol.layout import EntryName, Layout, lane, lane_parts
@@ -104,9 +104,9 @@ def _rows(
 
 def position(zk: KazooClient, layout: Layout, queue: str, entry: str) -> int | None:
     """About the 1-based place of ``entry`` among the unclaimed entries: entries in earlier
-    buckets of its lane and in the lanes of higher priorities counted from their stats, running
-    jobs taken off. Other tenants' lanes of its own priority are not counted: the head takes
-    from them by fair share, interleaved with this one."""
+    buckets of its lane and in the lanes of higher priorities counted from their stats, those
+    of them running taken off. Other tenants' lanes of its own priority are not counted: the
+    head takes from them by fair share, interleaved with this one."""
     parsed = EntryName.parse(entry)
     calls = {p: zk.exists_async(layout.entry(queue, p, entry)) for p in defaults.PRIORITIES}
     mine = next((p for p, call in calls.items() if call.get() is not None), None)
@@ -114,6 +114,7 @@ def position(zk: KazooClient, layout: Layout, queue: str, entry: str) -> int | N
         return None
     running = claimed(zk, layout, queue)
     own_lane = lane(mine, parsed.tenant)
+    higher = defaults.PRIORITIES[: defaults.PRIORITIES.index(mine)]
     ahead = 0
     for path, pairs in counts.bucket_counts(zk, layout, queue).items():
         priority = lane_parts(path)[0]
@@ -122,11 +123,45 @@ def position(zk: KazooClient, layout: Layout, queue: str, entry: str) -> int | N
         for bucket, n in pairs:
             if path == own_lane and bucket == parsed.bucket:
                 own = counts.bucket_entries(zk, layout, queue, path, bucket)
-                held = sum(1 for e in own if e.job_id in running)
                 waiting = [e for e in own if e.order < parsed.order and e.job_id not in running]
-                return max(1, ahead - (len(running) - held) + len(waiting) + 1)
+                counted = _running_in(zk, layout, queue, running, higher, own_lane, bucket)
+                return max(1, ahead - counted + len(waiting) + 1)
             ahead += n
     return None
+
+
+def _running_in(
+    zk: KazooClient,
+    layout: Layout,
+    queue: str,
+    running: set[str],
+    higher: tuple[str, ...],
+    own_lane: str,
+    bucket: int,
+) -> int:
+    """How many running jobs have their entry where ``position`` counted entries: in a lane of
+    a ``higher`` priority, or in ``own_lane`` before ``bucket`` (read from their claims, one
+    pipelined request each: as many as busy worker slots). A claim that names no entry
+    counts, as all did before claims named their entries."""
+    calls = [zk.get_async(layout.claim(queue, job_id)) for job_id in running]
+    counted = 0
+    for call in calls:
+        try:
+            data, _ = call.get()
+            named = ClaimBody.from_bytes(data).entry
+        except (NoNodeError, CorruptRecord):
+            continue  # ended meanwhile, or unreadable: not counted either way
+        if named is None:
+            counted += 1
+            continue
+        priority, _, rest = named.partition("/")
+        try:
+            where = EntryName.parse(rest)
+        except InvalidJob:
+            continue
+        in_lane = lane(priority, where.tenant)
+        counted += priority in higher or (in_lane == own_lane and where.bucket < bucket)
+    return counted
 
 
 def _claim_worker(call: Any) -> str | None:
