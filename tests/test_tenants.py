@@ -13,7 +13,7 @@ from tests.conftest import wait_for
 from tests.runners import HoldRunner, RecordingRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.errors import ExitCode, ProtocolMismatch, QueueFull
+from zkqueue.errors import ExitCode, InvalidJob, ProtocolMismatch, QueueFull
 from zkqueue.operations.janitor import Janitor
 from zkqueue.producer.enqueue import Enqueuer
 from zkqueue.protocol import revision
@@ -73,6 +73,20 @@ def test_running_jobs_in_other_lanes_move_no_ones_place(client: Client, start_wo
             assert rows[job.id]["position"] == place == job.info()["position"], rows[job.id]
     finally:
         runner.release_all()
+
+
+def test_a_batch_names_each_jobs_tenant(client: Client, layout) -> None:
+    client.ensure_queue("default")
+    Limits(client.zk, layout).set_tenant("default", "B", max_pending=1)
+    specs = [{"prompt": "a", "tenant": "A"}, {"prompt": "b", "tenant": "B"}, "mine"]
+    jobs = client.submit_many(specs, tenant="C")  # C: each line that names none
+    assert [row["tenant"] for row in client.list()] == ["A", "B", "C"]  # lane by lane
+    assert {j.info()["tenant"] for j in jobs} == {"A", "B", "C"}
+    with pytest.raises(QueueFull, match="tenant 'B'"):  # B's cap counts B's jobs only
+        client.submit_many([{"prompt": "b2", "tenant": "B"}, {"prompt": "a2", "tenant": "A"}])
+    with pytest.raises(InvalidJob, match=r"spec #1: bad tenant name"):
+        client.submit_many(["ok", {"prompt": "x", "tenant": "no/slash"}])
+    assert len(client.list()) == 3  # nothing of a refused batch went in
 
 
 def test_inside_a_priority_tenants_take_turns(client: Client, start_worker) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Unpack
@@ -26,6 +27,7 @@ from zkqueue.producer.job import Job, claimed_entry, find_job, known_jobs
 from zkqueue.producer.queues import delete_queue, queue_stats, queue_table, serving_workers
 from zkqueue.protocol import counts, revision
 from zkqueue.protocol.layout import (
+    DEFAULT_TENANT,
     EntryName,
     check_job_id,
     check_new_job_id,
@@ -182,7 +184,8 @@ class Client(ClientBase):
         and optional ``priority``, ``queue``, ``max_new_tokens``, ``job_id`` and job parameters,
         all validated first. A ``job_id`` already there (or given twice) is not enqueued again:
         its job comes back with ``existing`` set, so a batch can be submitted again safely.
-        Every job belongs to ``tenant`` (None: the default tenant)."""
+        Every job belongs to ``tenant`` (None: the default tenant) unless its mapping names
+        another (``"tenant"``)."""
         if tenant is not None:
             check_tenant(tenant)
         prepared = [
@@ -198,7 +201,7 @@ class Client(ClientBase):
             )
             fresh = [p for p in prepared if firsts[p[1], p[0]] is p and (p[1], p[0]) not in known]
             read_through_loss(
-                self.zk, self.settings, lambda: self._check_room_many(fresh, tenant), "submitting"
+                self.zk, self.settings, lambda: self._check_room_many(fresh), "submitting"
             )
             names = self._enqueue.create_many(fresh, ephemeral=not detach)
         made = {
@@ -214,11 +217,12 @@ class Client(ClientBase):
             self.ensure_queue(q)
         return known_jobs(self, chosen)
 
-    def _check_room_many(
-        self, fresh: list[tuple[str, str, str, bytes]], tenant: str | None
-    ) -> None:
+    def _check_room_many(self, fresh: list[tuple[str, str, str, bytes]]) -> None:
         for q in {p[1] for p in fresh}:
-            self.limits.check_room(q, sum(1 for p in fresh if p[1] == q), tenant=tenant)
+            # The default tenant as ``check_room`` names it: None.
+            named = (lane_parts(p[2])[1] for p in fresh if p[1] == q)
+            adding = Counter[str | None](None if t == DEFAULT_TENANT else t for t in named)
+            self.limits.check_room_many(q, adding)
 
     def _prepare(
         self,
@@ -239,7 +243,8 @@ class Client(ClientBase):
             )
         except InvalidJob as exc:
             raise type(exc)(f"spec #{index}: {exc}") from None
-        return sub.job_id or new_job_id(), sub.queue, lane(sub.priority, tenant), sub.data
+        whose = sub.tenant if sub.tenant is not None else tenant
+        return sub.job_id or new_job_id(), sub.queue, lane(sub.priority, whose), sub.data
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -216,13 +216,19 @@ class Limits:
         return counts.waiting(self.zk, self.layout, queue)
 
     def check_room(self, queue: str, adding: int = 1, tenant: str | None = None) -> None:
+        self.check_room_many(queue, {tenant: adding})
+
+    def check_room_many(self, queue: str, adding: Mapping[str | None, int]) -> None:
+        """``check_room`` for jobs of several tenants at once (``adding``: how many each): the
+        queue's cap holds them all, each tenant's cap its own."""
         settings = self.settings(queue)
         if settings.max_pending is not None:
-            check_counts(queue, settings.max_pending, self.waiting(queue), adding)
-        cap = settings.tenant(tenant).max_pending
-        if cap is not None:
-            waiting = tenant_waiting(self.zk, self.layout, queue, tenant)
-            check_counts(queue, cap, waiting, adding, tenant=tenant)
+            check_counts(queue, settings.max_pending, self.waiting(queue), sum(adding.values()))
+        for tenant, count in adding.items():
+            cap = settings.tenant(tenant).max_pending
+            if cap is not None:
+                waiting = tenant_waiting(self.zk, self.layout, queue, tenant)
+                check_counts(queue, cap, waiting, count, tenant=tenant)
 
 
 def check_counts(

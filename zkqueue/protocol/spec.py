@@ -276,6 +276,8 @@ class Submission:
     data: bytes
     #: The id the submitter chose (None: zkq generates one).
     job_id: str | None = None
+    #: The tenant the mapping named (None: the submitter's).
+    tenant: str | None = None
 
 
 def parse_submission(
@@ -287,8 +289,9 @@ def parse_submission(
     limit: int = defaults.MAX_SPEC_BYTES,
 ) -> Submission:
     """Validate one job given as a prompt or as a mapping with ``prompt`` and optional
-    ``priority``, ``queue``, ``max_new_tokens`` and job parameters (a line of a JSONL file)."""
-    from zkqueue.protocol.layout import check_new_job_id, check_priority, check_queue
+    ``priority``, ``queue``, ``tenant``, ``max_new_tokens`` and job parameters (a line of a
+    JSONL file)."""
+    from zkqueue.protocol.layout import check_new_job_id, check_priority, check_queue, check_tenant
 
     if not isinstance(raw, str | Mapping):
         raise InvalidJob(f"a job must be a prompt or a JSON object, not {type(raw).__name__}")
@@ -298,6 +301,9 @@ def parse_submission(
     job_id = fields.pop("job_id", None)
     if job_id is not None:
         check_new_job_id(job_id)
+    tenant = fields.pop("tenant", None)
+    if tenant is not None:
+        check_tenant(tenant)
     prompt = fields.pop("prompt", None)
     if prompt is None and "messages" not in fields:
         raise InvalidJob("no prompt")
@@ -305,9 +311,11 @@ def parse_submission(
     mnt = fields.pop("max_new_tokens", max_new_tokens)
     unknown = sorted(set(fields) - set(PARAMS))
     if unknown:
-        known = ", ".join(("prompt", "priority", "queue", "max_new_tokens", "job_id", *PARAMS))
+        named = ("prompt", "priority", "queue", "max_new_tokens", "job_id", "tenant")
+        known = ", ".join((*named, *PARAMS))
         raise InvalidJob(f"unknown field(s): {', '.join(map(str, unknown))} (known: {known})")
-    return Submission(target, prio, build_spec(prompt, mnt, fields).to_bytes(limit), job_id)
+    data = build_spec(prompt, mnt, fields).to_bytes(limit)
+    return Submission(target, prio, data, job_id, tenant)
 
 
 def estimate_tokens(text: str, max_new_tokens: int) -> int:
