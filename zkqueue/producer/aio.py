@@ -118,12 +118,13 @@ class AsyncClient(ClientBase):
             self._pool = ThreadPoolExecutor(self._blocking_threads, thread_name_prefix="zkq-aio")
         if self._zk is None:
             self._zk = await self.blocking(connect, self.settings)
+        self._closed = False
         return self
 
     async def close(self) -> None:
         """Close the session: every attached job of this client is withdrawn with it."""
-        if self._http is not None:
-            http, self._http = self._http, None
+        http = self._closing_http()
+        if http is not None:
             await http.aclose()
         try:
             if self._zk is not None and self._owns_zk:

@@ -1,6 +1,7 @@
 """Bulk submission from a JSONL file: one job per line (fields as in docs/PROTOCOL.md, plus
-``priority`` and ``queue``), pipelined, results written back as the jobs end (each record names
-its input line). A bad line is reported with its number and the rest still goes through."""
+``priority``, ``queue``, ``tenant`` and ``job_id``), pipelined, results written back as the
+jobs end (each record names its input line). A bad line is reported with its number and the
+rest still goes through."""
 
 from __future__ import annotations
 

@@ -67,11 +67,12 @@ class Client(ClientBase):
     def start(self) -> Client:
         if self._zk is None:
             self._zk = connect(self.settings)
+        self._closed = False
         return self
 
     def close(self) -> None:
-        if self._http is not None:
-            http, self._http = self._http, None
+        http = self._closing_http()
+        if http is not None:
             http.close()
         if self._zk is not None and self._owns_zk:
             close(self._zk)
@@ -218,6 +219,10 @@ class Client(ClientBase):
         return known_jobs(self, chosen)
 
     def _check_room_many(self, fresh: list[tuple[str, str, str, bytes]]) -> None:
+        # Every lane's tail before any create: a tenant refused its new lane (the lane cap)
+        # refuses the whole batch, not the chunks after those that went in.
+        for q, path in sorted({(p[1], p[2]) for p in fresh}):
+            self._enqueue.tail(q, path)
         for q in {p[1] for p in fresh}:
             # The default tenant as ``check_room`` names it: None.
             named = (lane_parts(p[2])[1] for p in fresh if p[1] == q)

@@ -75,18 +75,29 @@ class ClientBase:
         #: The HTTP client that reads streams from workers, made on first use.
         self._http: Any = None
         self._http_made = threading.Lock()
+        #: Closed: its streams make no HTTP client any more (nothing would close it).
+        self._closed = False
 
     def stream_http(self) -> Any:
         """The HTTP client (httpx) that reads jobs' streams from their workers; None when this
         client reads streams from claims only (``direct_streams=False``, or no httpx), or is
         not started (a closed client makes none: nothing would close it)."""
         with self._http_made:  # one per client, whichever thread asks first
-            if self._http is None and self.direct_streams and self._zk is not None:
+            wanted = self._http is None and self._zk is not None and not self._closed
+            if wanted and self.direct_streams:
                 from zkqueue.producer.direct import http_client
 
                 self._http = http_client(self.settings, asynchronous=self._asynchronous)
                 self.direct_streams = self._http is not None
             return self._http
+
+    def _closing_http(self) -> Any:
+        """The HTTP client to close as this client closes (None if none was made); none is
+        made after this, until the client starts again."""
+        with self._http_made:
+            self._closed = True
+            http, self._http = self._http, None
+            return http
 
     #: Whether this face reads streams on an event loop (AsyncClient) or on threads.
     _asynchronous = False

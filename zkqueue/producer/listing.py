@@ -141,16 +141,18 @@ def _running_in(
 ) -> int:
     """How many running jobs have their entry where ``position`` counted entries: in a lane of
     a ``higher`` priority, or in ``own_lane`` before ``bucket`` (read from their claims, one
-    pipelined request each: as many as busy worker slots). A claim that names no entry
-    counts, as all did before claims named their entries."""
+    pipelined request each: as many as busy worker slots). A claim that names no entry, or
+    that cannot be read, counts, as all did before claims named their entries."""
     calls = [zk.get_async(layout.claim(queue, job_id)) for job_id in running]
     counted = 0
     for call in calls:
         try:
             data, _ = call.get()
             named = ClaimBody.from_bytes(data).entry
-        except (NoNodeError, CorruptRecord):
-            continue  # ended meanwhile, or unreadable: not counted either way
+        except NoNodeError:
+            continue  # ended meanwhile
+        except CorruptRecord:
+            named = None
         if named is None:
             counted += 1
             continue
@@ -158,6 +160,7 @@ def _running_in(
         try:
             where = EntryName.parse(rest)
         except InvalidJob:
+            counted += 1
             continue
         in_lane = lane(priority, where.tenant)
         counted += priority in higher or (in_lane == own_lane and where.bucket < bucket)
