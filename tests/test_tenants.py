@@ -78,12 +78,15 @@ def test_running_jobs_in_other_lanes_move_no_ones_place(client: Client, start_wo
 def test_a_batch_names_each_jobs_tenant(client: Client, layout) -> None:
     client.ensure_queue("default")
     Limits(client.zk, layout).set_tenant("default", "B", max_pending=1)
+    Limits(client.zk, layout).set_tenant("default", "default", max_pending=1)
     specs = [{"prompt": "a", "tenant": "A"}, {"prompt": "b", "tenant": "B"}, "mine"]
     jobs = client.submit_many(specs, tenant="C")  # C: each line that names none
     assert [row["tenant"] for row in client.list()] == ["A", "B", "C"]  # lane by lane
     assert {j.info()["tenant"] for j in jobs} == {"A", "B", "C"}
     with pytest.raises(QueueFull, match="tenant 'B'"):  # B's cap counts B's jobs only
         client.submit_many([{"prompt": "b2", "tenant": "B"}, {"prompt": "a2", "tenant": "A"}])
+    with pytest.raises(QueueFull, match="tenant 'default' of queue 'default' is full"):
+        client.submit_many(["one too many", "two"])  # the default tenant's cap, named so
     with pytest.raises(InvalidJob, match=r"spec #1: bad tenant name"):
         client.submit_many(["ok", {"prompt": "x", "tenant": "no/slash"}])
     assert len(client.list()) == 3  # nothing of a refused batch went in

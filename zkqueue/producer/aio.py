@@ -35,7 +35,14 @@ from zkqueue.producer.clientbase import ClientBase, ClientOptions
 from zkqueue.producer.enqueue import Enqueuer
 from zkqueue.protocol import counts, revision
 from zkqueue.protocol.counts import tenant_waiting
-from zkqueue.protocol.layout import check_priority, check_queue, check_tenant, lane, new_job_id
+from zkqueue.protocol.layout import (
+    DEFAULT_TENANT,
+    check_priority,
+    check_queue,
+    check_tenant,
+    lane,
+    new_job_id,
+)
 from zkqueue.protocol.limits import QueueSettings, check_counts
 from zkqueue.protocol.spec import build_spec
 
@@ -237,7 +244,7 @@ class AsyncClient(ClientBase):
         cap = settings.tenant(tenant).max_pending
         if cap is not None:
             waiting = await self.blocking(tenant_waiting, self.zk, self.layout, queue, tenant)
-            check_counts(queue, cap, waiting, tenant=tenant)
+            check_counts(queue, cap, waiting, tenant=tenant or DEFAULT_TENANT)
 
     async def _settings(self, queue: str) -> QueueSettings:
         cached = self._queue_settings.get(queue)

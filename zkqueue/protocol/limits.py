@@ -228,14 +228,15 @@ class Limits:
             cap = settings.tenant(tenant).max_pending
             if cap is not None:
                 waiting = tenant_waiting(self.zk, self.layout, queue, tenant)
-                check_counts(queue, cap, waiting, count, tenant=tenant)
+                check_counts(queue, cap, waiting, count, tenant=tenant or DEFAULT_TENANT)
 
 
 def check_counts(
     queue: str, limit: int, waiting: int, adding: int = 1, tenant: str | None = None
 ) -> None:
     """Raise QueueFull when ``adding`` more jobs would put ``waiting`` over ``limit`` (shared by
-    the blocking and the asyncio producers); ``tenant``: the limit is that tenant's."""
+    the blocking and the asyncio producers); ``tenant``: the limit is that tenant's (the
+    default tenant's too: name it), else the queue's."""
     if waiting + adding > limit:
         whose = f"tenant {tenant!r} of queue {queue!r} is" if tenant else f"queue {queue!r} is"
         raise QueueFull(
