@@ -80,10 +80,7 @@ def from_zkq(exc: ZkqError, retry_after: int) -> ApiError:
     if isinstance(exc, JobWithdrawn):
         return ApiError(503, str(exc), UNAVAILABLE, "withdrawn")
     if isinstance(exc, StreamInterrupted):  # the request is withdrawn as the answer ends
-        message = (
-            f"the stream of job {exc.job_id} stopped after {exc.sent} characters: {exc.why}; "
-            f"the request was withdrawn: send it again"
-        )
+        message = f"{exc.stopped}; the request was withdrawn: send it again"
         return ApiError(502, message, SERVER, "stream_interrupted")
     return ApiError(500, f"internal error: {exc}", SERVER, "internal")
 

@@ -125,12 +125,16 @@ class StreamInterrupted(ZkqError):
     exit_code = ExitCode.STREAM_INTERRUPTED
 
     def __init__(self, job_id: str, sent: int, why: str) -> None:
-        super().__init__(
-            f"the stream of job {job_id} stopped after {sent} characters: {why}; the job goes "
-            f"on, and its result is what result() returns"
-        )
         #: The job, how many characters its caller was handed, and why the stream stopped.
         self.job_id, self.sent, self.why = job_id, sent, why
+        goes_on = "the job goes on, and its result is what result() returns"
+        super().__init__(f"{self.stopped}; {goes_on}")
+
+    @property
+    def stopped(self) -> str:
+        """What happened, for a message that goes on to say what follows (a CLI or a gateway
+        caller's request is withdrawn with it)."""
+        return f"the stream of job {self.job_id} stopped after {self.sent} characters: {self.why}"
 
     def __reduce__(self) -> tuple[type[StreamInterrupted], tuple[str, int, str]]:
         return type(self), (self.job_id, self.sent, self.why)  # copy and pickle

@@ -230,9 +230,7 @@ def _print_stream(job: Job, timeout: float | None) -> int:
         click.echo()  # end the line the stream stopped in
         # The request is attached (--stream takes no --detach): it is withdrawn as we exit.
         click.echo(
-            f"zkq: the stream of job {exc.job_id} stopped after {exc.sent} characters: "
-            f"{exc.why}; the request is withdrawn as zkq exits: submit it again",
-            err=True,
+            f"zkq: {exc.stopped}; the request is withdrawn as zkq exits: submit it again", err=True
         )
         return int(exc.exit_code)
     click.echo()

@@ -27,7 +27,6 @@ from zkqueue.producer.job import Job, claimed_entry, find_job, known_jobs
 from zkqueue.producer.queues import delete_queue, queue_stats, queue_table, serving_workers
 from zkqueue.protocol import counts, revision
 from zkqueue.protocol.layout import (
-    DEFAULT_TENANT,
     EntryName,
     check_job_id,
     check_new_job_id,
@@ -224,9 +223,7 @@ class Client(ClientBase):
         for q, path in sorted({(p[1], p[2]) for p in fresh}):
             self._enqueue.tail(q, path)
         for q in {p[1] for p in fresh}:
-            # The default tenant as ``check_room`` names it: None.
-            named = (lane_parts(p[2])[1] for p in fresh if p[1] == q)
-            adding = Counter[str | None](None if t == DEFAULT_TENANT else t for t in named)
+            adding = Counter[str | None](lane_parts(p[2])[1] for p in fresh if p[1] == q)
             self.limits.check_room_many(q, adding)
 
     def _prepare(

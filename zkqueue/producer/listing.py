@@ -33,15 +33,15 @@ class _Places:
 
     def __init__(self) -> None:
         self.priority: str | None = None
-        #: Pending jobs of the priorities listed before ``priority``, and of ``priority`` so far.
-        self.higher, self.here = 0, 0
+        #: Pending jobs of the priorities listed before ``priority``.
+        self.higher = 0
+        #: Pending jobs of ``priority`` so far, by tenant.
         self.lanes: dict[str, int] = {}
 
     def next(self, priority: str, tenant: str) -> int:
         if priority != self.priority:
-            self.priority, self.higher, self.here = priority, self.higher + self.here, 0
+            self.priority, self.higher = priority, self.higher + sum(self.lanes.values())
             self.lanes = {}
-        self.here += 1
         self.lanes[tenant] = self.lanes.get(tenant, 0) + 1
         return self.higher + self.lanes[tenant]
 
