@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from workers.runners.echo import EchoRunner
 from zkqueue import AsyncClient, Client
 from zkqueue.testing import ZkCluster, four_letter
 
@@ -54,6 +55,26 @@ def test_async_client_attached_jobs_leave_no_watches_behind(
             for i in range(40):
                 job = await client.submit(f"job {i}")
                 assert (await job.result(timeout=10)).ok
+            await asyncio.to_thread(client.zk.sync, "/")
+            return watches_of(zk_cluster, client.zk.client_id[0])
+
+    assert asyncio.run(run()) <= 2
+
+
+def test_async_streams_leave_no_watches_behind(
+    zk_cluster: ZkCluster, hosts: str, root: str, start_worker
+) -> None:
+    """A stream reads only what its watches say changed (the claim, then the result alone):
+    every watch it set has fired or was taken back when the stream ends."""
+    start_worker(EchoRunner(delay=0.2))
+
+    async def run() -> int:
+        async with AsyncClient(hosts, root) as client:
+            for i in range(20):
+                prompt = f"job {i} of the streams"
+                job = await client.submit(prompt, stream=True)
+                assert "".join([piece async for piece in job.stream(timeout=10)]) == prompt
+                assert job.record is not None and job.record.output == prompt
             await asyncio.to_thread(client.zk.sync, "/")
             return watches_of(zk_cluster, client.zk.client_id[0])
 

@@ -177,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         "--worker-threads", type=int, default=None, help="torch CPU threads of the worker"
     )
     parser.add_argument(
+        "--sampling",
+        action="store_true",
+        help="the worker's engine also serves sampled jobs (its default), where the server's "
+        "decodes greedily, as these requests ask: every step pays for sampling",
+    )
+    parser.add_argument(
         "--split-cores",
         action="store_true",
         help="both engines (the server, the worker) on the first core; ZooKeeper, the gateway "
@@ -191,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         base = [*ZKQ_CLI, "--zk", cluster.hosts, "--root", BENCH_ROOT]
         worker_cmd = [*base, "worker", "--queue", QUEUE, "--model", model, "--no-janitor"]
         worker_cmd += ["--max-concurrency", "16"]
+        if not args.sampling:
+            worker_cmd.append("--greedy-only")
         if args.no_direct:
             worker_cmd.append("--no-stream")
         port = free_port()

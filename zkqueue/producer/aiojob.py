@@ -2,9 +2,15 @@
 
 The waits follow the blocking Job's reads (zkqueue/producer/job.py) with watches turned into one
 asyncio event per job: a watch fires on kazoo's thread, the event is set on the loop, the waiter
-reads again. While a streaming job runs, a change of only its claim (new partial output) costs one
-read of the claim; anything else, or a quiet ``_RECHECK_SECONDS``, reads everything again
-(watches are hints).
+reads again. While a streaming job runs, what the watches that fired say decides what is read
+(watches are hints: a quiet ``_RECHECK_SECONDS``, or anything else, reads everything again):
+
+* its claim made or changed, and at most a change of its entry's data (a claim bumps the entry's
+  version): the claim and the entry, each watched again (two reads, where everything is five);
+* its result made: the result alone, its watch spent (one read; the completion deleted the entry
+  and the claim in the same transaction, so no watch is left behind to take back).
+
+A read that finds one of them gone reads everything.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kazoo.exceptions import NoNodeError
-from kazoo.protocol.states import WatchedEvent
+from kazoo.protocol.states import EventType, WatchedEvent
 
 from zkqueue.errors import CorruptRecord, JobWithdrawn, ZkqConnectionError
 from zkqueue.plumbing.connection import TRANSIENT, mapped_errors
@@ -73,7 +79,8 @@ class AsyncJob(JobPaths):
     def _start(self) -> None:
         self.record: Result | None = None
         self._wake = asyncio.Event()
-        self._fired: set[str] = set()
+        #: The paths whose watches fired since the last read, with the last event of each.
+        self._fired: dict[str, str] = {}
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -81,17 +88,41 @@ class AsyncJob(JobPaths):
         """Wait for the result record. On timeout raise JobTimeout; the submitter's attached
         request is withdrawn then, and also when the awaiting task is cancelled."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        fired: dict[str, str] | None = None  # None: read everything
         with self._withdrawn_if_abandoned():
             while self.record is None:
                 self._wake.clear()
                 try:
-                    looked, recheck = await self._look(with_claim=False), _RECHECK_SECONDS
+                    found, recheck = await self._read_waiting(fired), _RECHECK_SECONDS
                 except _AWAY:
-                    looked, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait for it
-                if looked is not None and looked[0] is not None:
-                    return self._accept(looked[0])
-                await self._pause(deadline, recheck, timeout)
+                    found, recheck = None, _RECONNECT_POLL  # ZooKeeper is away: wait for it
+                if found is not None:
+                    return self._accept(found)
+                woke = await self._pause(deadline, recheck, timeout)
+                fired, self._fired = (self._fired if woke else None), {}
         return self.record
+
+    async def _read_waiting(self, fired: dict[str, str] | None) -> Result | None:
+        """The record if the job ended. After watches fired (``fired``): a result made is read
+        alone; a change of the entry's data alone (a claim, a give-back) reads the entry,
+        watched again; anything else, or a read that finds a node gone, reads everything."""
+        if fired is not None:
+            if fired.get(self.result_path) == EventType.CREATED:
+                record = await self._read_result()
+                if record is not None:
+                    return record
+            elif self._entry_changed_alone(fired) and await self._entry_still_there():
+                return None
+        looked = await self._look(with_claim=False)
+        return None if looked is None else looked[0]
+
+    def _entry_changed_alone(self, fired: dict[str, str]) -> bool:
+        return self.entry_path is not None and fired == {self.entry_path: EventType.CHANGED}
+
+    async def _entry_still_there(self) -> bool:
+        """Whether the entry is still there, read with its watch set again."""
+        assert self.entry_path is not None
+        return bool(await self.client.maybe(self.client.zk.get_async(self.entry_path, self._watch)))
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         """Yield the output in pieces as the worker generates it (jobs submitted with
@@ -103,7 +134,7 @@ class AsyncJob(JobPaths):
         cancelling the iterating task does."""
         deadline = None if timeout is None else time.monotonic() + timeout
         reading = StreamReading(self.id, self.client, AsyncTap, self._wake.set)
-        full, fired = True, set[str]()
+        full, fired = True, dict[str, str]()
         with self._withdrawn_if_abandoned():
             try:
                 while self.record is None:
@@ -127,22 +158,35 @@ class AsyncJob(JobPaths):
                     if piece:
                         yield piece
                     woke = await self._pause(deadline, recheck, timeout)
-                    fired, self._fired = self._fired, set()
+                    fired, self._fired = self._fired, {}
                     full = not woke  # a quiet interval: read everything (watches are hints)
             finally:
                 reading.close()
 
     async def _read_stream(
-        self, full: bool, fired: set[str]
+        self, full: bool, fired: dict[str, str]
     ) -> tuple[Result | None, ClaimBody | None]:
-        """(the record if the job ended, the claim or None if there is none). When only the
-        claim's watch fired, the claim alone is read (one request), unless it is gone."""
-        if not full and not fired - {self.claim_path}:
-            body = await self._read_claim()
-            if body is not None:
-                return None, body
+        """(the record if the job ended, the claim or None if there is none). What is read
+        follows the watches that fired (see the module docstring); a quiet interval or a read
+        that finds a node gone reads everything."""
+        if not full:
+            if fired.get(self.result_path) == EventType.CREATED:
+                record = await self._read_result()
+                if record is not None:
+                    return record, None
+            elif self._claim_moved(fired):
+                body = await self._read_claim(entry_too=self.entry_path in fired)
+                if body is not None:
+                    return None, body
         looked = await self._look(with_claim=True)
         return (None, None) if looked is None else looked
+
+    def _claim_moved(self, fired: dict[str, str]) -> bool:
+        """Whether the watches that fired say only that the job's claim was made or changed:
+        the claim's, with or without a data change of the entry (never its deletion)."""
+        others = fired.keys() - {self.claim_path, self.entry_path}
+        entry = fired.get(self.entry_path or "", EventType.CHANGED)
+        return not others and entry == EventType.CHANGED and self.claim_path in fired
 
     async def _pause(self, deadline: float | None, recheck: float, timeout: float | None) -> bool:
         """Wait for a watch or the recheck interval; True if a watch fired. Past the deadline
@@ -191,23 +235,38 @@ class AsyncJob(JobPaths):
             return None
         return None, _claim(done[-1][0])
 
-    async def _read_claim(self) -> ClaimBody | None:
-        """The claim (watched again), or None if it is gone (or unreadable)."""
+    async def _read_claim(self, entry_too: bool = False) -> ClaimBody | None:
+        """The claim (watched again), or None if it is gone (or unreadable). ``entry_too``:
+        the entry's watch fired on a change of its data; it is read, watched again, in the
+        same round trip, and None unless it is still there."""
         if self.claim_path is None:
             return None
+        zk = self.client.zk
+        calls = [zk.get_async(self.claim_path, self._watch)]
+        if entry_too and self.entry_path is not None:
+            calls.append(zk.get_async(self.entry_path, self._watch))
         try:
-            call = self.client.zk.get_async(self.claim_path, self._watch)
-            data, _ = await self.client.wait(call)
+            data, _ = (await asyncio.gather(*(self.client.wait(c) for c in calls)))[0]
         except NoNodeError:
             return None
         return _claim(data)
 
+    async def _read_result(self) -> Result | None:
+        """The result, read without a watch (its watch fired when it was made), or None if it
+        is already gone (consumed by another handle, or expired)."""
+        try:
+            data, _ = await self.client.wait(self.client.zk.get_async(self.result_path))
+        except NoNodeError:
+            return None
+        self._result_size = len(data)
+        return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
+
     def _watch(self, event: WatchedEvent) -> None:
         """Runs on kazoo's thread; one bound method per job, so kazoo keeps one watcher."""
-        self.client.handoff.call(self._fire, event.path)
+        self.client.handoff.call(self._fire, event.path, event.type)
 
-    def _fire(self, path: str) -> None:
-        self._fired.add(path)
+    def _fire(self, path: str, kind: str) -> None:
+        self._fired[path] = kind
         self._wake.set()
 
     def _accept(self, record: Result) -> Result:
