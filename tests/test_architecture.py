@@ -49,8 +49,9 @@ OPTIONAL = {
     "zkqueue.operations.topview": {"rich"},
     "zkqueue.operations.exporter": {"prometheus_client"},
     "zkqueue.operations.serving": {"prometheus_client"},
-    # Imported on first use; without it streams come through claims (every extra brings it).
-    "zkqueue.producer.direct": {"httpx"},
+    # Imported on first use; without them streams come through claims (every extra brings
+    # both: aiohttp for AsyncJob, httpx for Job).
+    "zkqueue.producer.direct": {"httpx", "aiohttp"},
 }
 #: The one module that builds ZooKeeper multis.
 TRANSITIONS = "zkqueue.protocol.claims"

@@ -20,6 +20,7 @@ from workers.runners.echo import EchoRunner
 from workers.streams import visible
 from zkqueue import AsyncClient, Client
 from zkqueue.errors import ExitCode, StreamInterrupted
+from zkqueue.producer import direct
 from zkqueue.protocol.layout import Layout
 from zkqueue.protocol.records import ClaimBody
 from zkqueue.protocol.streaming import EventReader
@@ -100,15 +101,34 @@ def test_a_reader_needs_the_secret_and_a_late_one_gets_the_text_so_far(
     assert resumed.status_code == 404  # ended: the result is in ZooKeeper now
 
 
+@pytest.mark.parametrize("reader", ["Job", "AsyncJob"])
 def test_a_reader_that_cannot_reach_the_worker_streams_from_the_claim(
-    client: Client, start_worker, caplog: pytest.LogCaptureFixture
+    reader: str,
+    client: Client,
+    hosts: str,
+    root: str,
+    start_worker,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The claims name an address nothing listens on (a firewall between reader and worker).
     worker = start_worker(EchoRunner(delay=2.0), stream_advertise="127.0.0.1:1")
     caplog.set_level(logging.WARNING, logger="zkq.stream")
-    job = client.submit(WORDS, stream=True)
-    pieces = list(job.stream(timeout=30))
-    assert "".join(pieces) == job.result().output == WORDS
+    monkeypatch.setattr(direct, "_warned", set())  # said once per process and address
+    if reader == "Job":
+        job = client.submit(WORDS, stream=True)
+        pieces = list(job.stream(timeout=30))
+        output = job.result().output
+    else:
+
+        async def stream_async() -> tuple[list[str], str]:
+            async with AsyncClient(hosts, root) as aio:
+                job = await aio.submit(WORDS, stream=True)
+                pieces = [piece async for piece in job.stream(timeout=30)]
+                return pieces, (await job.result()).output
+
+        pieces, output = asyncio.run(stream_async())
+    assert "".join(pieces) == output == WORDS
     assert len(pieces) >= 2, pieces  # the claim's partial output, then the rest
     said = [r.getMessage() for r in caplog.records if r.name == "zkq.stream"]
     assert any("127.0.0.1:1" in line and "claim" in line for line in said), said

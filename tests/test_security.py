@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from tests.conftest import WorkerThread, _env
 from workers.loop import Worker
 from workers.options import WorkerOptions
 from workers.runners.echo import EchoRunner
-from zkqueue import Client
+from zkqueue import AsyncClient, Client
 from zkqueue.errors import AccessDenied, ConfigurationError, ExitCode
 from zkqueue.plumbing.connection import ConnectionSettings, connect
 from zkqueue.testing import ZkCluster, write_test_pki
@@ -210,6 +211,14 @@ def test_streams_are_https_where_the_ensemble_uses_tls(
             # Word by word over HTTPS: a reader that fell back to the claim would have said so,
             # and would get its first piece only after the worker's 1 s grace.
             assert len(pieces) >= 5, pieces
+
+        async def stream_async() -> list[str]:  # AsyncJob reads with another HTTP library
+            async with AsyncClient(tls_cluster.secure_hosts, root, **tls) as aio:
+                job = await aio.submit(words, stream=True)
+                return [piece async for piece in job.stream(timeout=30)]
+
+        pieces = asyncio.run(stream_async())
+        assert "".join(pieces) == words and len(pieces) >= 5, pieces
         assert not [r for r in caplog.records if r.name == "zkq.stream"]
     finally:
         handle.stop()

@@ -132,7 +132,7 @@ class AsyncClient(ClientBase):
         """Close the session: every attached job of this client is withdrawn with it."""
         http = self._closing_http()
         if http is not None:
-            await http.aclose()
+            await http.close()
         try:
             if self._zk is not None and self._owns_zk:
                 zk, self._zk = self._zk, None

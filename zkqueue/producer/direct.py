@@ -9,13 +9,18 @@ before, is the authoritative text, and the reading's ``Transcript`` checks that 
 handed out is a prefix of it.
 
 Where the worker cannot be reached (a firewall, a worker without a stream server, a client
-without ``httpx``), the handle falls back to the output the worker writes into the claim a few
-times a second, and says so once in the log. An attempt that stops part-way (the worker died, or
-gave the job back) after text was handed out ends the stream with ``StreamInterrupted``: the rest
-of that text will not come, and a retry's text may differ. Before any text was handed out the
-handle waits for the next attempt instead.
+without the HTTP library it reads with), the handle falls back to the output the worker writes
+into the claim a few times a second, and says so once in the log. An attempt that stops
+part-way (the worker died, or gave the job back) after text was handed out ends the stream with
+``StreamInterrupted``: the rest of that text will not come, and a retry's text may differ. Before
+any text was handed out the handle waits for the next attempt instead.
 
-The library needs ``httpx`` only for this (every extra of zkq brings it).
+The library needs an HTTP client only for this (every extra of zkq brings both): ``AsyncJob``
+reads with ``aiohttp``, ``Job`` (a thread per stream) with ``httpx``. The asynchronous readers
+serve the gateway, which holds many streams at once: a stream of 50 events costs an aiohttp
+reader about a quarter of the CPU it costs an httpx one (whose connection pool polls every
+kept-alive socket at each request), and each stream's connection is opened while the job's first
+token is on its way.
 """
 
 from __future__ import annotations
@@ -173,7 +178,7 @@ class Tap:
 
 
 class AsyncTap(Tap):
-    """A tap read by a task on the caller's event loop."""
+    """A tap read by a task on the caller's event loop, with an ``aiohttp.ClientSession``."""
 
     def __init__(self, http: Any, claim: ClaimBody, wake: Callable[[], None]) -> None:
         super().__init__(claim, wake)
@@ -186,7 +191,7 @@ class AsyncTap(Tap):
                 if await self._read_once(http) or self.state != TapState.LIVE:
                     return
                 why = "the worker closed the stream before its end"
-            except Exception as exc:  # httpx's errors, and any surprise: never a lost traceback
+            except Exception as exc:  # aiohttp's errors, and any surprise: never a lost traceback
                 why = _describe(exc)
                 if self.state != TapState.LIVE:
                     break
@@ -195,13 +200,17 @@ class AsyncTap(Tap):
     async def _read_once(self, http: Any) -> bool:
         """One connection; True once the stream is over (ended, stopped, or fallen back)."""
         params = self._params()
-        async with http.stream("GET", self.url, headers=self.headers, params=params) as answer:
-            if not self._opened(answer.status_code):
+        async with http.get(self.url, headers=self.headers, params=params) as answer:
+            if not self._opened(answer.status):
                 return True
-            reader, over = EventReader(), False
-            async for line in answer.aiter_lines():
-                event = None if over else reader.feed(line)
-                over = over or (event is not None and self._handle(event))
+            reader, over, rest = EventReader(), False, b""
+            # Lines split here, not by the library's line reader, which refuses a line longer
+            # than its buffer (a late reader's first piece is all the text so far).
+            async for chunk in answer.content.iter_any():
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    event = None if over else reader.feed(line.rstrip(b"\r").decode())
+                    over = over or (event is not None and self._handle(event))
             # Read to the answer's end (it ends right after its last event): the connection
             # then goes back to the pool for the next stream from this worker.
         return over
@@ -267,35 +276,60 @@ def http_library() -> Any:
     return httpx
 
 
+@functools.cache
+def async_http_library() -> Any:
+    """aiohttp, imported on first use, or None without it."""
+    try:
+        import aiohttp
+    except ImportError:  # the library alone: streams come through claims only
+        return None
+    return aiohttp
+
+
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def http_client(settings: Any, asynchronous: bool) -> Any:
-    """An httpx client for reading streams (None without httpx): no limit on open streams, a
-    short connect timeout, no read timeout (a job may think for a while), and for HTTPS the
-    ZooKeeper CA of ``settings`` (``ConnectionSettings``)."""
+    """A client for reading streams: an ``aiohttp.ClientSession`` (``asynchronous``, made on
+    the running loop) or an ``httpx.Client``; None without that library. No limit on open
+    streams, a short connect timeout, a read timeout of ``READ_TIMEOUT`` between bytes (a
+    worker sends a comment every ``streaming.HEARTBEAT`` seconds), no proxies from the
+    environment, and for HTTPS the ZooKeeper CA of ``settings`` (``ConnectionSettings``)."""
+    verify = tls_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
+    if asynchronous:
+        aiohttp = async_http_library()
+        if aiohttp is None:
+            return None
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=verify),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT
+            ),
+            trust_env=False,
+        )
     httpx = http_library()
     if httpx is None:
         return None
-    options = http_options(settings.tls_ca, settings.tls_cert, settings.tls_key)
-    return httpx.AsyncClient(**options) if asynchronous else httpx.Client(**options)
+    return httpx.Client(
+        timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT, read=READ_TIMEOUT),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        verify=verify,
+        trust_env=False,
+    )
 
 
-def http_options(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> dict[str, Any]:
-    """The options of ``http_client``."""
-    httpx = http_library()
-    verify: Any = True
-    if tls_ca:
-        verify = ssl.create_default_context(cafile=tls_ca)
-        if tls_cert and tls_key:
-            verify.load_cert_chain(tls_cert, tls_key)
-    return {
-        "timeout": httpx.Timeout(None, connect=CONNECT_TIMEOUT, read=READ_TIMEOUT),
-        "limits": httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        "verify": verify,
-        "trust_env": False,
-    }
+def tls_context(
+    tls_ca: str | None, tls_cert: str | None, tls_key: str | None
+) -> ssl.SSLContext | bool:
+    """The TLS a stream reader verifies workers with: the ZooKeeper CA (and the client's own
+    certificate, where it has one), else the system's (True)."""
+    if not tls_ca:
+        return True
+    context = ssl.create_default_context(cafile=tls_ca)
+    if tls_cert and tls_key:
+        context.load_cert_chain(tls_cert, tls_key)
+    return context
 
 
 def tappable(claim: ClaimBody | None) -> bool:
