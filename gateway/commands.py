@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -109,14 +110,21 @@ def serve(
                 host=host,
                 port=port,
                 drain_timeout=drain_timeout,
-                started=lambda _: click.echo(
-                    f"zkq serve: listening on {_where(host, port)}", err=True
-                ),
+                started=lambda _: _listening(host, port),
             )
             runner.run(job)
     except ZkqError as exc:
         click.echo(f"zkq: {exc}", err=True)
         sys.exit(exc.exit_code)
+
+
+def _listening(host: str, port: int) -> None:
+    # What start-up made (the imported libraries, the client) lives as long as the server:
+    # kept out of the collector's full passes, each a pause of every request in flight (20-30
+    # ms without this).
+    gc.collect()
+    gc.freeze()
+    click.echo(f"zkq serve: listening on {_where(host, port)}", err=True)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

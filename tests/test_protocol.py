@@ -3,6 +3,7 @@ expire through the index, a version 1 root refused then migrated, withdrawn requ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -12,7 +13,7 @@ from kazoo.client import KazooClient
 from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
-from zkqueue import Client, defaults
+from zkqueue import AsyncClient, Client, defaults
 from zkqueue.errors import ExitCode, InvalidJob, JobWithdrawn, ProtocolMismatch
 from zkqueue.operations.expiry import ExpiryLimits
 from zkqueue.operations.janitor import Janitor
@@ -38,6 +39,38 @@ def test_buckets_roll_over_and_order_stays_exact(client: Client, start_worker) -
         lambda: len(client.zk.get_children(client.layout.pending("default", "normal"))) == 1,
         message="empty buckets before the tail deleted",
     )
+
+
+def test_async_submits_roll_buckets_over_from_the_loop(
+    client: Client, hosts: str, root: str
+) -> None:
+    """AsyncClient sends a submit's multi from its loop where it knows the tail, and hands the
+    rest to a thread: the first read of a tail, a stale tail (another producer filled it), and
+    the bucket its entry fills. One after another, entries fill buckets exactly, in order."""
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with AsyncClient(hosts, root) as aio:
+            aio._enqueue = Enqueuer(aio, bucket_size=3)
+            ids = []
+            for i in range(10):
+                ids.append((await aio.submit(f"job {i}", detach=True)).id)
+                if i in (4, 5):  # moves the tail under it
+                    ids.append(client.submit("from another producer", detach=True).id)
+            # At once, they may overfill the tail (as producers at once do): each made once.
+            jobs = await asyncio.gather(
+                *(aio.submit(f"at once {i}", detach=True) for i in range(8))
+            )
+            return ids, [j.id for j in jobs]
+
+    client._enqueue = Enqueuer(client, bucket_size=3)
+    ids, at_once = asyncio.run(run())
+    listed = [r["id"] for r in client.list(limit=None)]
+    assert listed[: len(ids)] == ids
+    assert sorted(listed[len(ids) :]) == sorted(at_once) and len(set(listed)) == 20
+    pending = client.layout.pending("default", "normal")
+    buckets = sorted(client.zk.get_children(pending))
+    sizes = [len(client.zk.get_children(f"{pending}/{b}")) for b in buckets]
+    assert sizes[:4] == [3, 3, 3, 3], sizes
 
 
 def test_a_bulk_enqueue_overfills_no_bucket_by_more_than_a_multi(client: Client) -> None:

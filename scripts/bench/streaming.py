@@ -188,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         help="both engines (the server, the worker) on the first core; ZooKeeper, the gateway "
         "and this client on the others, as where the control plane has hosts of its own",
     )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=30.0,
+        help="seconds of bursts sent to each side before the reps: ZooKeeper's JVM compiles "
+        "its hot code for a minute or so under this load (a long-running ensemble has)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
@@ -237,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 split_cores(cpu.pids)
             for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
                 asyncio.run(side(url, name, 4, 1, args.max_tokens))
+                warm_until = time.monotonic() + args.warmup
+                while time.monotonic() < warm_until:
+                    asyncio.run(side(url, name, 0, 2, args.max_tokens))
             spent = {k: 0.0 for k in cpu.pids}
             for rep in range(args.reps):
                 order = [("direct", server.url, model), ("zkq", zkq_url, QUEUE)]

@@ -258,10 +258,20 @@ class AsyncClient(ClientBase):
     async def _create_entry(
         self, queue: str, priority: str, job_id: str, data: bytes, ephemeral: bool
     ) -> str | None:
-        """Create the entry exactly once, in its priority's tail bucket: the blocking client's
-        enqueuer on a worker thread (after a lost reply it looks the id up before creating
-        again)."""
-        return await self.blocking(self._enqueue.create, queue, priority, job_id, data, ephemeral)
+        """Create the entry exactly once, in its priority's tail bucket, with the blocking
+        client's enqueuer: its multi is sent from the loop where this client knows the tail
+        (no thread in the way of a submit), and what may block (reading a tail, a stale one,
+        a lost reply looked up before creating again, opening the next bucket) runs on a
+        worker thread."""
+        enqueue, one = self._enqueue, (job_id, queue, priority, data)
+        sent = enqueue.send_known(one, ephemeral)
+        if sent is not None:
+            with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
+                await self.wait(sent[1])
+            name = enqueue.quick(one, sent)
+            if name is not None:
+                return name
+        return await self.blocking(enqueue.finish, [one], sent, ephemeral)
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
         """The entry name of a job (the enqueuer's lookup after a lost reply; blocking)."""

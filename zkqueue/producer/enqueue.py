@@ -43,6 +43,8 @@ _STALE_TRIES = 50
 #: (job id, queue, lane, spec bytes) of one entry to create: the lane is the priority, or its
 #: tenant's directory below it (``zkqueue.protocol.layout.lane``).
 Prepared = tuple[str, str, str, bytes]
+#: A multi sent: (how many of its results are checks and signals, its kazoo call).
+Sent = tuple[int, Any]
 
 
 class Producer(Protocol):
@@ -127,8 +129,14 @@ class Enqueuer:
                 f"empty for {defaults.LANE_IDLE:g} s"
             )
 
-    def _send(self, chunk: list[Prepared], ephemeral: bool) -> Any:
-        tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
+    def _send(
+        self,
+        chunk: list[Prepared],
+        ephemeral: bool,
+        tails: dict[tuple[str, str], tuple[int, int]] | None = None,
+    ) -> Sent:
+        if tails is None:
+            tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
         order = sorted(tails)
         checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in order]
         buckets = [
@@ -191,7 +199,7 @@ class Enqueuer:
                 continue
         raise ZkqConnectionError("the tail bucket kept moving while enqueuing; try again")
 
-    def _created(self, chunk: list[Prepared], call: Any, ephemeral: bool) -> list[str | None]:
+    def _created(self, chunk: list[Prepared], call: Sent, ephemeral: bool) -> list[str | None]:
         checks, pending = call
         try:
             outcome = pending.get()
@@ -245,8 +253,42 @@ class Enqueuer:
         """Create the entry exactly once: after a ConnectionLoss the create may have happened,
         so wait for the connection to come back and look for the id before creating again.
         None: the job was found already finished."""
+        return self.finish([(job_id, queue, priority, data)], None, ephemeral)
+
+    def send_known(self, one: Prepared, ephemeral: bool) -> Sent | None:
+        """Send the multi that creates one entry, without blocking, where this client knows
+        its lane's tail; None where the tail must be read first (a blocking read)."""
+        tail = self._tails.get((one[1], one[2]))
+        if tail is None:
+            return None
+        return self._send([one], ephemeral, {(one[1], one[2]): tail})
+
+    def quick(self, one: Prepared, sent: Sent) -> str | None:
+        """The entry's name where the reply to ``sent`` (arrived) created it and it left room in
+        its bucket: nothing that blocks remains. None otherwise: ``finish`` it (a stale tail, a
+        lost reply, an error, or a bucket to open)."""
+        checks, call = sent
+        if not call.ready() or not call.successful():
+            return None
+        outcome = call.value
+        if any(isinstance(r, Exception) for r in outcome):
+            return None
+        name = _relative(str(outcome[checks]))
+        if EntryName.parse(name).seq + 1 >= self.bucket_size:
+            return None
+        self._open_full([one], [str(outcome[checks])])  # counts the entry; opens nothing
+        return name
+
+    def finish(self, chunk: list[Prepared], sent: Sent | None, ephemeral: bool) -> str | None:
+        """``create`` for one entry whose multi may already be ``sent`` (blocking)."""
+        job_id = chunk[0][0]
         try:
-            return self._retry([(job_id, queue, priority, data)], ephemeral)[0]
+            if sent is not None:
+                try:
+                    return self._created(chunk, sent, ephemeral)[0]
+                except _Stale:
+                    pass
+            return self._retry(chunk, ephemeral)[0]
         except ZkqConnectionError as exc:
             # The create may have committed: give the caller the id to look it up by.
             raise ZkqConnectionError(
