@@ -336,9 +336,15 @@ async def _json(request: Request) -> Any:
 # -- the app ---------------------------------------------------------------------------------
 
 
-def create_app(client: AsyncClient, config: GatewayConfig, metrics: bool = True) -> Starlette:
+def create_app(
+    client: AsyncClient,
+    config: GatewayConfig,
+    metrics: bool = True,
+    on_started: Callable[[], None] | None = None,
+) -> Starlette:
     """The Starlette app. ``client`` must be started by the caller (see ``lifespan``), or pass
-    it unstarted to have the app start and close it with the server."""
+    it unstarted to have the app start and close it with the server. ``on_started`` is called
+    once the app is ready to serve (the server's start-up done)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -348,6 +354,8 @@ def create_app(client: AsyncClient, config: GatewayConfig, metrics: bool = True)
         try:
             app.state.gateway = Gateway(client, config, metrics)
             client.stream_http()  # before the first stream, which would wait for it
+            if on_started is not None:
+                on_started()
             yield
         finally:
             if owned:

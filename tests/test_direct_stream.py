@@ -20,10 +20,12 @@ from workers.runners.echo import EchoRunner
 from workers.streams import visible
 from zkqueue import AsyncClient, Client
 from zkqueue.errors import ExitCode, StreamInterrupted
+from zkqueue.plumbing.connection import ConnectionSettings
 from zkqueue.producer import direct
+from zkqueue.protocol import streaming
 from zkqueue.protocol.layout import Layout
 from zkqueue.protocol.records import ClaimBody
-from zkqueue.protocol.streaming import EventReader
+from zkqueue.protocol.streaming import EventReader, StreamEvent
 
 WORDS = " ".join(f"w{i}" for i in range(16))
 
@@ -260,3 +262,45 @@ def test_stream_interrupted_keeps_its_parts_through_pickle() -> None:
     again = pickle.loads(pickle.dumps(StreamInterrupted("job-1", 12, "the worker died")))
     assert (again.job_id, again.sent, again.why) == ("job-1", 12, "the worker died")
     assert str(again) == str(StreamInterrupted("job-1", 12, "the worker died"))
+
+
+def test_an_async_tap_reads_long_lines_cut_anywhere() -> None:
+    """AsyncTap splits a stream's lines itself: a piece longer than aiohttp's line buffer (a
+    late reader's first piece is all the text so far), lines and characters cut across
+    chunks, CRLF line ends; from a real HTTP server sending the events in 777-byte writes."""
+    from aiohttp import web
+
+    text = "Grüße, 日本 " * 200_000
+    body = StreamEvent(streaming.PIECE, text, 0).to_bytes().replace(b"\n", b"\r\n")
+    body += StreamEvent(streaming.END, status="succeeded").to_bytes()
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        assert request.headers["Authorization"] == "Bearer the-secret"
+        answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        for start in range(0, len(body), 777):
+            await answer.write(body[start : start + 777])
+        return answer
+
+    async def run() -> direct.AsyncTap:
+        app = web.Application()
+        app.router.add_get(f"{streaming.PATH}/{{job}}", events)
+        server = web.AppRunner(app)
+        await server.setup()
+        site = web.TCPSite(server, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}{streaming.PATH}/job"
+        claim = ClaimBody("w", 1, 0.0, 30.0, stream=url, secret="the-secret")
+        http = direct.http_client(ConnectionSettings("127.0.0.1:1"), asynchronous=True)
+        try:
+            tap = direct.AsyncTap(http, claim, lambda: None)
+            await asyncio.wait_for(tap._task, 30)
+            return tap
+        finally:
+            await http.close()
+            await server.cleanup()
+
+    tap = asyncio.run(run())
+    assert len(body) > 2**17
+    assert (tap.state, tap.text) == (direct.TapState.ENDED, text)

@@ -50,6 +50,13 @@ def test_async_submits_roll_buckets_over_from_the_loop(
 
     async def run() -> tuple[list[str], list[str]]:
         async with AsyncClient(hosts, root) as aio:
+            # Into a bucket with room: only the first (which reads the tail) needs a thread.
+            aio._enqueue = Enqueuer(aio, bucket_size=100)
+            real_finish, threaded = aio._enqueue.finish, []
+            aio._enqueue.finish = lambda *a: threaded.append(a) or real_finish(*a)  # type: ignore[method-assign]
+            for i in range(5):
+                await aio.submit(f"job {i}", queue="roomy", detach=True)
+            assert len(threaded) == 1
             aio._enqueue = Enqueuer(aio, bucket_size=3)
             ids = []
             for i in range(10):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from workers.runners.echo import EchoRunner
 from zkqueue import AsyncClient, Client
 from zkqueue.errors import AccessDenied, ConfigurationError, ExitCode
 from zkqueue.plumbing.connection import ConnectionSettings, connect
+from zkqueue.producer import direct
 from zkqueue.testing import ZkCluster, write_test_pki
 
 SECRET = "s3cret-Pa55"
@@ -220,6 +222,55 @@ def test_streams_are_https_where_the_ensemble_uses_tls(
         pieces = asyncio.run(stream_async())
         assert "".join(pieces) == words and len(pieces) >= 5, pieces
         assert not [r for r in caplog.records if r.name == "zkq.stream"]
+    finally:
+        handle.stop()
+        zk.stop()
+        zk.close()
+
+
+def test_a_stream_certificate_another_ca_signed_is_refused(
+    tls_cluster: ZkCluster,
+    root: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker serving its stream with a certificate the ZooKeeper CA did not sign (an
+    impostor on the path, say): neither reader takes its stream; both stream from the claim
+    instead, and say why."""
+    pki = tls_cluster.servers[0].pki
+    assert pki is not None
+    other = write_test_pki(tmp_path / "other-ca")
+    tls = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    zk = connect(ConnectionSettings(tls_cluster.secure_hosts, **tls))
+    opts = WorkerOptions(
+        root=root,
+        heartbeat_interval=0.5,
+        stream_tls=(str(other.client_cert), str(other.client_key)),
+    )
+    handle = WorkerThread(Worker(zk, EchoRunner(delay=1.5), opts)).start()
+    caplog.set_level(logging.WARNING, logger="zkq.stream")
+    words = " ".join(f"w{i}" for i in range(8))
+    try:
+        said = []
+        for reader in ("Job", "AsyncJob"):
+            monkeypatch.setattr(direct, "_warned", set())  # said once per process and address
+            if reader == "Job":
+                with Client(tls_cluster.secure_hosts, root, **tls) as client:
+                    pieces = list(client.submit(words, stream=True).stream(timeout=30))
+            else:
+
+                async def stream_async() -> list[str]:
+                    async with AsyncClient(tls_cluster.secure_hosts, root, **tls) as aio:
+                        job = await aio.submit(words, stream=True)
+                        return [piece async for piece in job.stream(timeout=30)]
+
+                pieces = asyncio.run(stream_async())
+            assert "".join(pieces) == words
+            said.append([r.getMessage() for r in caplog.records if r.name == "zkq.stream"])
+            caplog.clear()
+        for lines in said:
+            assert any("certificate" in line.lower() and "claim" in line for line in lines), said
     finally:
         handle.stop()
         zk.stop()

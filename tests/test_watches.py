@@ -4,9 +4,13 @@ job set has fired or was never set (ZooKeeper's own count, ``wchc``, per session
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import pytest
 
 from workers.runners.echo import EchoRunner
 from zkqueue import AsyncClient, Client
+from zkqueue.errors import JobWithdrawn
 from zkqueue.testing import ZkCluster, four_letter
 
 
@@ -79,3 +83,45 @@ def test_async_streams_leave_no_watches_behind(
             return watches_of(zk_cluster, client.zk.client_id[0])
 
     assert asyncio.run(run()) <= 2
+
+
+def test_async_streams_that_end_unclaimed_or_withdrawn_leave_no_watches_behind(
+    zk_cluster: ZkCluster, hosts: str, root: str
+) -> None:
+    """No worker: one stream's job is cancelled while pending (a result, and never a claim:
+    the watch waiting for the claim is taken back), another's request is withdrawn (the
+    stream raises JobWithdrawn, and takes its watches back)."""
+
+    async def run() -> tuple[str, int]:
+        async with AsyncClient(hosts, root) as client:
+            session = client.zk.client_id[0]
+
+            async def watched() -> None:  # the stream has read once and set its watches
+                for _ in range(500):
+                    if watches_of(zk_cluster, session) >= 3:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("the stream set no watches")
+
+            job = await client.submit("never claimed", stream=True)
+            reading = asyncio.ensure_future(_joined(job.stream(timeout=30)))
+            await watched()
+            assert await client.job(job.id, job.queue, job.priority, job.entry).cancel()
+            assert await reading == "" and job.record is not None
+            status = job.record.status
+
+            job = await client.submit("withdrawn", stream=True)
+            reading = asyncio.ensure_future(_joined(job.stream(timeout=30)))
+            await watched()
+            await client.job(job.id, job.queue, job.priority, job.entry).withdraw()
+            with pytest.raises(JobWithdrawn):
+                await reading
+            await asyncio.to_thread(client.zk.sync, "/")
+            return status, watches_of(zk_cluster, session)
+
+    status, left = asyncio.run(run())
+    assert status == "cancelled" and left == 0
+
+
+async def _joined(pieces: Any) -> str:
+    return "".join([piece async for piece in pieces])

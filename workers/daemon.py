@@ -113,12 +113,6 @@ def _serve(
     _install_signals(worker, notifier)
 
     def ready() -> None:
-        # What start-up made (a model, its tokenizer, torch and transformers: hundreds of
-        # thousands of objects) lives as long as the process: kept out of the collector's full
-        # passes, each of which would stop every thread while it walks them all (50-150 ms on
-        # the tiny model's worker).
-        gc.collect()
-        gc.freeze()
         notifier.ready(f"worker {worker.id} on queue {opts.queue}")
         narrowed = worker.high_width
         log.info(
@@ -132,6 +126,12 @@ def _serve(
         )
 
     janitor = _start_janitor(settings, opts.root, worker.id, opts, metrics)
+    # What start-up made (a model, its tokenizer, torch and transformers: hundreds of thousands
+    # of objects) lives as long as the process: kept out of the collector's full passes, each
+    # of which would stop every thread while it walks them all (50-150 ms on the tiny model's
+    # worker). The HF runner unfreezes them if its engine dies, so that the dead one is freed.
+    gc.collect()
+    gc.freeze()
     try:
         worker.run(on_ready=ready)
     finally:

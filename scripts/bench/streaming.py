@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warmup",
         type=float,
-        default=30.0,
+        default=60.0,
         help="seconds of bursts sent to each side before the reps: ZooKeeper's JVM compiles "
         "its hot code for a minute or so under this load (a long-running ensemble has)",
     )

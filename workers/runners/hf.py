@@ -35,6 +35,7 @@ failed), and for a job that streams, first_token_at (unix seconds).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import threading
@@ -322,7 +323,13 @@ class HFRunner:
                 del self._flights[flight.rid]
         for flight in victims:
             self._end(flight, result.FAILED, error=f"the engine failed: {why}", release=True)
+        # The worker froze what start-up made (workers.daemon), this engine and its cache
+        # among it: should the dead engine sit in a reference cycle (an error that holds the
+        # loop's frames, say), frozen, it would never be collected, and the new engine would
+        # find no memory for its cache.
+        gc.unfreeze()
         engine.stop()
+        gc.collect()
 
     def _rebuild(self) -> None:
         try:

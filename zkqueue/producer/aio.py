@@ -266,9 +266,12 @@ class AsyncClient(ClientBase):
         enqueue, one = self._enqueue, (job_id, queue, priority, data)
         sent = enqueue.send_known(one, ephemeral)
         if sent is not None:
-            with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
-                await self.wait(sent[1])
-            name = enqueue.quick(one, sent)
+            try:
+                with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
+                    await self.wait(sent[1])
+                name = enqueue.quick(one, sent)
+            finally:
+                enqueue.landed(one)
             if name is not None:
                 return name
         return await self.blocking(enqueue.finish, [one], sent, ephemeral)

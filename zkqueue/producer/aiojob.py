@@ -5,12 +5,15 @@ asyncio event per job: a watch fires on kazoo's thread, the event is set on the 
 reads again. While a streaming job runs, what the watches that fired say decides what is read
 (watches are hints: a quiet ``_RECHECK_SECONDS``, or anything else, reads everything again):
 
-* its claim made or changed, and at most a change of its entry's data (a claim bumps the entry's
-  version): the claim and the entry, each watched again (two reads, where everything is five);
-* its result made: the result alone, its watch spent (one read; the completion deleted the entry
-  and the claim in the same transaction, so no watch is left behind to take back).
+* its claim made or changed: the claim, watched again, in one read (where everything is five);
+  with a change of its entry's data too (a claim bumps the entry's version), the entry as well,
+  watched again, in the same round trip;
+* its result made: the result alone, its watch spent (one read). A claim watch still set is
+  taken back in the same flush: a job that ended without a claim (cancelled or expired while
+  pending, refused) never makes the claim it waits for.
 
-A read that finds one of them gone reads everything.
+A read that finds one of them gone reads everything. A wait that ends with the request withdrawn
+takes its watches back too.
 """
 
 from __future__ import annotations
@@ -173,6 +176,8 @@ class AsyncJob(JobPaths):
             if fired.get(self.result_path) == EventType.CREATED:
                 record = await self._read_result()
                 if record is not None:
+                    if self.claim_path is not None and self.claim_path not in fired:
+                        remove_data_watch(self.client.zk, self.claim_path, self._watch)
                     return record, None
             elif self._claim_moved(fired):
                 body = await self._read_claim(entry_too=self.entry_path in fired)
@@ -278,11 +283,16 @@ class AsyncJob(JobPaths):
 
     @contextlib.contextmanager
     def _withdrawn_if_abandoned(self) -> Any:
-        """Map connection errors; withdraw the attached request if the waiting task is
-        cancelled (its caller has gone: no GPU time for an answer nobody reads)."""
+        """Map connection errors; take the watches back when the request was withdrawn (they
+        wait on nodes that will never come); withdraw the attached request if the waiting task
+        is cancelled (its caller has gone: no GPU time for an answer nobody reads)."""
         try:
             with mapped_errors(self.client.settings.hosts):
                 yield
+        except JobWithdrawn:
+            with contextlib.suppress(ZkqConnectionError):  # a closed client: its session is gone
+                self._drop_watches(self._watch)
+            raise
         except asyncio.CancelledError:
             self.abandon()
             raise

@@ -79,9 +79,11 @@ class ClientBase:
         self._closed = False
 
     def stream_http(self) -> Any:
-        """The HTTP client (httpx) that reads jobs' streams from their workers; None when this
-        client reads streams from claims only (``direct_streams=False``, or no httpx), or is
-        not started (a closed client makes none: nothing would close it)."""
+        """The HTTP client that reads jobs' streams from their workers (an httpx client for
+        Client, an aiohttp session for AsyncClient: ``zkqueue.producer.direct.http_client``);
+        None when this client reads streams from claims only (``direct_streams=False``, or
+        without that library), or is not started (a closed client makes none: nothing would
+        close it)."""
         with self._http_made:  # one per client, whichever thread asks first
             wanted = self._http is None and self._zk is not None and not self._closed
             if wanted and self.direct_streams:

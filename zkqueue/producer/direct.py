@@ -203,14 +203,21 @@ class AsyncTap(Tap):
         async with http.get(self.url, headers=self.headers, params=params) as answer:
             if not self._opened(answer.status):
                 return True
-            reader, over, rest = EventReader(), False, b""
+            reader, over = EventReader(), False
             # Lines split here, not by the library's line reader, which refuses a line longer
             # than its buffer (a late reader's first piece is all the text so far).
+            pending, scanned = bytearray(), 0
             async for chunk in answer.content.iter_any():
-                *lines, rest = (rest + chunk).split(b"\n")
-                for line in lines:
-                    event = None if over else reader.feed(line.rstrip(b"\r").decode())
+                pending += chunk
+                start = 0
+                while (end := pending.find(b"\n", scanned)) >= 0:
+                    line = bytes(pending[start:end]).rstrip(b"\r").decode()
+                    start = scanned = end + 1
+                    event = None if over else reader.feed(line)
                     over = over or (event is not None and self._handle(event))
+                if start:
+                    del pending[:start]
+                scanned = len(pending)
             # Read to the answer's end (it ends right after its last event): the connection
             # then goes back to the pool for the next stream from this worker.
         return over
@@ -303,8 +310,11 @@ def http_client(settings: Any, asynchronous: bool) -> Any:
             return None
         return aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ssl=verify),
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT
+            timeout=aiohttp.ClientTimeout(  # connect: the name's lookup too
+                total=None,
+                connect=CONNECT_TIMEOUT,
+                sock_connect=CONNECT_TIMEOUT,
+                sock_read=READ_TIMEOUT,
             ),
             trust_env=False,
         )
@@ -323,7 +333,8 @@ def tls_context(
     tls_ca: str | None, tls_cert: str | None, tls_key: str | None
 ) -> ssl.SSLContext | bool:
     """The TLS a stream reader verifies workers with: the ZooKeeper CA (and the client's own
-    certificate, where it has one), else the system's (True)."""
+    certificate, where it has one), else the library's default (True: the system's
+    certificates for aiohttp, certifi's for httpx)."""
     if not tls_ca:
         return True
     context = ssl.create_default_context(cafile=tls_ca)
@@ -350,9 +361,9 @@ class StreamReading:
     ) -> None:
         self.transcript = Transcript(job_id)
         self._client, self._tap_class, self._wake = client, tap, wake
-        # Made now, while the job waits for its claim: the first in a process (importing httpx,
-        # loading the CA bundle) takes about a tenth of a second, which would otherwise delay
-        # the first text of the first stream.
+        # Made now, while the job waits for its claim: the first in a process (importing the
+        # HTTP library, loading the CA bundle) takes about a tenth of a second, which would
+        # otherwise delay the first text of the first stream.
         client.stream_http()
         self._tap: AsyncTap | ThreadTap | None = None
         #: Why the attempt that streamed text stopped, once its end is being checked.

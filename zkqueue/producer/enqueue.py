@@ -85,6 +85,8 @@ class Enqueuer:
         #: (queue, priority) -> (a bucket, the sequence after the last entry this client made
         #: there or 0 for a bucket it opened): how full the tail is, as far as it knows.
         self._filled: dict[tuple[str, str], tuple[int, int]] = {}
+        #: (queue, priority) -> multis sent by ``send_known`` whose replies are not taken yet.
+        self._flying: Counter[tuple[str, str]] = Counter()
 
     def _zk(self) -> KazooClient:
         return self.client.zk
@@ -257,11 +259,27 @@ class Enqueuer:
 
     def send_known(self, one: Prepared, ephemeral: bool) -> Sent | None:
         """Send the multi that creates one entry, without blocking, where this client knows
-        its lane's tail; None where the tail must be read first (a blocking read)."""
-        tail = self._tails.get((one[1], one[2]))
+        its lane's tail and it has room for the entries already on their way; None otherwise
+        (the tail must be read first, a blocking read, or the multi waits for a thread, as in
+        ``create``: a burst of submits overfills no bucket by more than the threads). Every
+        multi sent is ``landed`` once its reply was taken."""
+        lane = (one[1], one[2])
+        tail = self._tails.get(lane)
         if tail is None:
             return None
-        return self._send([one], ephemeral, {(one[1], one[2]): tail})
+        bucket, filled = self._filled.get(lane, (-1, 0))
+        room = self.bucket_size - filled if bucket == tail[0] else 1
+        if self._flying[lane] >= room:
+            return None
+        self._flying[lane] += 1
+        return self._send([one], ephemeral, {lane: tail})
+
+    def landed(self, one: Prepared) -> None:
+        """The reply to a multi of ``send_known`` was taken (whatever it said)."""
+        lane = (one[1], one[2])
+        self._flying[lane] -= 1
+        if self._flying[lane] <= 0:
+            del self._flying[lane]
 
     def quick(self, one: Prepared, sent: Sent) -> str | None:
         """The entry's name where the reply to ``sent`` (arrived) created it and it left room in
