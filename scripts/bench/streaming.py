@@ -2,7 +2,8 @@
 --continuous-batching``, same run, with the official ``openai`` client.
 
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
-        [--max-tokens 64] [--split-cores] [--json FILE]
+        [--max-tokens 64] [--warmup 60] [--split-cores] [--sampling] [--json FILE]
+    .venv/bin/python -m scripts.bench.streaming --pool RUN.json [RUN.json ...]
 
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
 one model worker (``zkq worker --model DIR --max-concurrency 16``, the hf runner: transformers'
@@ -26,16 +27,26 @@ process spent per request; and where the time to first content goes through zkq 
 text sent by the gateway, from its request's arrival there (the gateway's info line for each
 finished job).
 
+Before the reps, each side takes ``--warmup`` seconds of bursts: ZooKeeper's JVM goes on
+compiling its hot code for a minute or so under this load (a long-running ensemble has), and its
+compiler's thread would otherwise take a core's share from everything else.
+
+The worker runs greedy-only (``--greedy-only``), as the server decodes these requests: it builds
+its engine from the first request's settings, greedy for all. ``--sampling`` runs the worker's
+default engine instead, which also serves sampled jobs and pays for sampling at every step.
+
 With ``--split-cores`` both engines run on the first core and ZooKeeper, the gateway and this
 client on the others: each engine has the same core to itself, as where the control plane runs
-on hosts of its own. Through zkq, with ``--no-direct`` the worker writes streams into the jobs'
-claims instead (``zkq worker --no-stream``): the figure before the data plane.
+on hosts of its own (and as on a GPU host, where the engine's work leaves the cores). Through
+zkq, with ``--no-direct`` the worker writes streams into the jobs' claims instead (``zkq worker
+--no-stream``): the figure before the data plane.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import statistics
@@ -60,6 +71,7 @@ from zkqueue import Client
 from zkqueue.testing import free_port
 
 BENCH_ROOT = "/bench-streaming"
+SIDES = ("zkq", "direct")
 QUEUE = "tiny"
 PROMPTS = [
     "Tell me about the priority queue.",
@@ -196,7 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         "its hot code for a minute or so under this load (a long-running ensemble has)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: the figures of runs saved with --json, each run's ratio and every "
+        "request of them all as one sample (a p99 of one run is its few slowest requests)",
+    )
     args = parser.parse_args(argv)
+    if args.pool:
+        print("\n".join(pooled(args.pool)))
+        return 0
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
     with tiny_model_served("zkq-bench-streaming-") as (tmp, server, cluster):
         model = str(tmp / "tiny")
@@ -283,6 +305,35 @@ def main(argv: list[str] | None = None) -> int:
             row["steps"] = logged.get((row.pop("id") or "").split("-", 1)[-1])
     report(out, summarize(out), args.json)
     return 0
+
+
+def pooled(paths: list[str]) -> list[str]:
+    """The figures of saved runs: each run's concurrency-16 p99 ratio, then ``summarize`` over
+    every request of them all."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    lines = []
+    for path, run in zip(paths, runs, strict=True):
+        p99 = {name: _p99([r for rep in run[name] for r in rep["c16"]]) for name in SIDES}
+        lines.append(
+            f"{path}: concurrency 16 p99 zkq {p99['zkq']:.1f} ms, direct {p99['direct']:.1f} ms "
+            f"({p99['zkq'] / p99['direct']:.2f}x)"
+        )
+    merged = {name: [rep for run in runs for rep in run[name]] for name in SIDES}
+    lines.append(f"all {len(runs)} runs as one sample:")
+    lines += summarize(merged)
+    c16 = {
+        name: [r["ttft_s"] for rep in merged[name] for r in rep["c16"] if r["ttft_s"] is not None]
+        for name in SIDES
+    }
+    parts = []
+    for q in (50, 90, 95, 99):
+        z, d = (1000 * percentile(c16[name], q) for name in SIDES)
+        parts.append(f"p{q} {z:.1f} / {d:.1f} ms ({z / d:.2f}x)")
+    lines.append("concurrency 16, zkq / direct: " + ", ".join(parts))
+    return lines
 
 
 def split_cores(pids: dict[str, int]) -> None:
