@@ -3,6 +3,7 @@ CPU in float32. A small harness starts the runner and collects each job's one ou
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -359,6 +360,25 @@ def test_a_request_larger_than_the_cache_kills_the_loop_and_a_new_engine_serves(
         assert outcome.status == "succeeded", outcome.error
         assert outcome.output == generate_directly(*direct, "Hello", 12)
     finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_new_engine_is_frozen_where_start_up_was(tiny_dir: Path, frozen: bool) -> None:
+    """The worker daemon freezes what start-up made (gc.freeze); an engine that dies is
+    unfrozen with the rest (so that it can be freed) and the next one frozen in turn. A runner
+    in a process that froze nothing freezes nothing."""
+    runner = make_runner(tiny_dir, pages=4)
+    harness = Harness(runner)
+    try:
+        if frozen:
+            gc.freeze()
+        [outcome] = harness.wait(harness.submit("Hello " * 150, max_new_tokens=10))
+        assert (outcome.status, outcome.release) == ("failed", True)
+        assert harness.run("Hello", max_new_tokens=4).status == "succeeded"
+        assert (gc.get_freeze_count() > 0) is frozen
+    finally:
+        gc.unfreeze()
         runner.close()
 
 

@@ -80,6 +80,26 @@ def test_async_submits_roll_buckets_over_from_the_loop(
     assert sizes[:4] == [3, 3, 3, 3], sizes
 
 
+def test_async_submits_at_once_overfill_a_bucket_by_no_more_than_the_threads(
+    client: Client, hosts: str, root: str
+) -> None:
+    """From its loop AsyncClient sends at most a bucket's room of multis at once; the rest wait
+    for its threads (one here), as every submit did before: a burst overfills no bucket by
+    more than that thread's."""
+
+    async def run() -> None:
+        async with AsyncClient(hosts, root, blocking_threads=1) as aio:
+            aio._enqueue = Enqueuer(aio, bucket_size=4)
+            await aio.submit("the tail, read", detach=True)
+            for _ in range(3):
+                await asyncio.gather(*(aio.submit(f"job {i}", detach=True) for i in range(12)))
+
+    asyncio.run(run())
+    pending = client.layout.pending("default", "normal")
+    sizes = [len(client.zk.get_children(f"{pending}/{b}")) for b in client.zk.get_children(pending)]
+    assert sum(sizes) == 37 and max(sizes) <= 5, sizes
+
+
 def test_a_bulk_enqueue_overfills_no_bucket_by_more_than_a_multi(client: Client) -> None:
     """submit_many sends several multis at once, all to the tails read before them: it stops a
     window where a tail fills, so a bucket holds at most one multi (100 entries) more than its

@@ -105,6 +105,9 @@ class HFRunner:
         self._flights: dict[str, Flight] = {}
         self._backlog: list[Flight] = []
         self._engine: Engine | None = None
+        #: Whether what start-up made was frozen (gc.freeze) before an engine died: the next
+        #: engine's is frozen in turn once it is up.
+        self._refreeze = False
         self._done: Done | None = None
         self._closing = threading.Event()
         self._collector: threading.Thread | None = None
@@ -326,7 +329,8 @@ class HFRunner:
         # The worker froze what start-up made (workers.daemon), this engine and its cache
         # among it: should the dead engine sit in a reference cycle (an error that holds the
         # loop's frames, say), frozen, it would never be collected, and the new engine would
-        # find no memory for its cache.
+        # find no memory for its cache. Frozen again once the new engine is up.
+        self._refreeze = self._refreeze or gc.get_freeze_count() > 0
         gc.unfreeze()
         engine.stop()
         gc.collect()
@@ -350,6 +354,10 @@ class HFRunner:
             for flight in waiting:
                 if flight.rid in self._flights:
                     self._add(engine, flight)
+        if self._refreeze:
+            self._refreeze = False
+            gc.collect()
+            gc.freeze()
 
     # -- ending jobs --------------------------------------------------------------------------
 

@@ -265,16 +265,17 @@ class AsyncClient(ClientBase):
         worker thread."""
         enqueue, one = self._enqueue, (job_id, queue, priority, data)
         sent = enqueue.send_known(one, ephemeral)
-        if sent is not None:
-            try:
-                with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
-                    await self.wait(sent[1])
-                name = enqueue.quick(one, sent)
-            finally:
-                enqueue.landed(one)
+        if sent is None:
+            return await self.blocking(enqueue.finish, [one], None, ephemeral)
+        try:
+            with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
+                await self.wait(sent[1])
+            name = enqueue.quick(one, sent)
             if name is not None:
                 return name
-        return await self.blocking(enqueue.finish, [one], sent, ephemeral)
+            return await self.blocking(enqueue.finish, [one], sent, ephemeral)
+        finally:
+            enqueue.landed(one)
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
         """The entry name of a job (the enqueuer's lookup after a lost reply; blocking)."""

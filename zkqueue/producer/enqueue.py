@@ -271,11 +271,13 @@ class Enqueuer:
         room = self.bucket_size - filled if bucket == tail[0] else 1
         if self._flying[lane] >= room:
             return None
+        sent = self._send([one], ephemeral, {lane: tail})
         self._flying[lane] += 1
-        return self._send([one], ephemeral, {lane: tail})
+        return sent
 
     def landed(self, one: Prepared) -> None:
-        """The reply to a multi of ``send_known`` was taken (whatever it said)."""
+        """A multi of ``send_known`` is settled: its reply taken, and what it left to do
+        (``finish``) done, whatever either said."""
         lane = (one[1], one[2])
         self._flying[lane] -= 1
         if self._flying[lane] <= 0:
