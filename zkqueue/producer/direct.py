@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import importlib
 import logging
 import ssl
 import threading
@@ -274,23 +275,13 @@ class ThreadTap(Tap):
 
 
 @functools.cache
-def http_library() -> Any:
-    """httpx, imported on first use (``import zkqueue`` stays light), or None without it."""
+def http_library(name: str = "httpx") -> Any:
+    """An HTTP library (``httpx`` or ``aiohttp``), imported on first use (``import zkqueue``
+    stays light), or None without it: the library alone streams through claims only."""
     try:
-        import httpx
-    except ImportError:  # the library alone: streams come through claims only
+        return importlib.import_module(name)
+    except ImportError:
         return None
-    return httpx
-
-
-@functools.cache
-def async_http_library() -> Any:
-    """aiohttp, imported on first use, or None without it."""
-    try:
-        import aiohttp
-    except ImportError:  # the library alone: streams come through claims only
-        return None
-    return aiohttp
 
 
 def _describe(exc: Exception) -> str:
@@ -305,7 +296,7 @@ def http_client(settings: Any, asynchronous: bool) -> Any:
     environment, and for HTTPS the ZooKeeper CA of ``settings`` (``ConnectionSettings``)."""
     verify = tls_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
     if asynchronous:
-        aiohttp = async_http_library()
+        aiohttp = http_library("aiohttp")
         if aiohttp is None:
             return None
         return aiohttp.ClientSession(
