@@ -231,9 +231,7 @@ class AsyncJob(JobPaths):
                 remove_data_watch(zk, self.result_path, watch)
             if claim is not None:  # and the one on the claim (gone with the job)
                 remove_data_watch(zk, claim, watch)
-            self._result_size = len(got[0])
-            what = f"result of job {self.id} ({self.result_path})"
-            return Result.from_bytes(got[0], what), None
+            return self._parse(got[0]), None
         if not entry_alive:
             raise JobWithdrawn(f"job {self.id} was withdrawn before it produced a result")
         if claim is None or isinstance(done[-1], BaseException):
@@ -263,8 +261,7 @@ class AsyncJob(JobPaths):
             data, _ = await self.client.wait(self.client.zk.get_async(self.result_path))
         except NoNodeError:
             return None
-        self._result_size = len(data)
-        return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
+        return self._parse(data)
 
     def _watch(self, event: WatchedEvent) -> None:
         """Runs on kazoo's thread; one bound method per job, so kazoo keeps one watcher."""

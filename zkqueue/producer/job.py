@@ -289,10 +289,6 @@ class Job(JobPaths):
             return None  # consumed or expired meanwhile: the full look says which
         return self._parse(data)
 
-    def _parse(self, data: bytes) -> Result:
-        self._result_size = len(data)
-        return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
-
     def _look(self, watch: Any, timeout: float | None = None) -> Result | None:
         """The result if there is one. ``timeout`` bounds each read: a request made while
         kazoo reconnects waits for the connection, and the caller's deadline comes first."""

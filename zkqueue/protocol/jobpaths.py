@@ -8,6 +8,7 @@ from typing import Any
 from zkqueue.errors import JobTimeout
 from zkqueue.plumbing.watches import remove_data_watch
 from zkqueue.protocol.layout import EntryName, lane
+from zkqueue.protocol.result import Result
 
 PENDING = "pending"
 RUNNING = "running"
@@ -80,6 +81,12 @@ class JobPaths:
         """The error of a wait that gave up (the submitter's attached request is withdrawn)."""
         withdrawn = "; its attached request was withdrawn" if self.owned and not self.detach else ""
         return JobTimeout(f"job {self.id} has no result after {timeout:g}s{withdrawn}")
+
+    def _parse(self, data: bytes) -> Result:
+        """The result record read from the job's result node (its size kept for the consumer's
+        accounting)."""
+        self._result_size = len(data)
+        return Result.from_bytes(data, f"result of job {self.id} ({self.result_path})")
 
     def _drop_watches(self, watch: Any) -> None:
         """Take back the watches a wait that gave up left on the result and the claim (they
