@@ -30,11 +30,11 @@ def _patch_enqueue(monkeypatch: Any, mode: Callable[[int], str]) -> list[int]:
         sent.append(len(entries))
         how = mode(len(sent))
         if how == "lose":
-            return _LostReply()
+            return _lost_reply(zk)
         result = real(zk, checks, tails, entries, eph)
         if how == "commit+lose":
             result.get()
-            return _LostReply()
+            return _lost_reply(zk)
         return result
 
     monkeypatch.setattr(claims, "enqueue_async", fake)
@@ -144,11 +144,11 @@ def _always_lose(*_args: Any) -> str | None:
     raise ConnectionLoss("still away")
 
 
-class _LostReply:
-    """An async result whose reply was lost with the connection."""
-
-    def get(self) -> Any:
-        raise ConnectionLoss("answer lost")
+def _lost_reply(zk: Any) -> Any:
+    """A kazoo async result whose reply was lost with the connection."""
+    result = zk.handler.async_result()
+    result.set_exception(ConnectionLoss("answer lost"))
+    return result
 
 
 @pytest.mark.parametrize("committed", [True, False])

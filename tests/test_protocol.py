@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
@@ -18,6 +20,7 @@ from zkqueue.errors import ExitCode, InvalidJob, JobWithdrawn, ProtocolMismatch
 from zkqueue.operations.expiry import ExpiryLimits
 from zkqueue.operations.janitor import Janitor
 from zkqueue.producer.enqueue import Enqueuer
+from zkqueue.protocol import claims
 from zkqueue.protocol.migrate import migrate
 
 
@@ -98,6 +101,53 @@ def test_async_submits_at_once_overfill_a_bucket_by_no_more_than_the_threads(
     pending = client.layout.pending("default", "normal")
     sizes = [len(client.zk.get_children(f"{pending}/{b}")) for b in client.zk.get_children(pending)]
     assert sum(sizes) == 37 and max(sizes) <= 5, sizes
+
+
+def test_the_loop_counts_a_threads_multi_in_flight_before_it_sends(
+    client: Client, hosts: str, root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit whose tail had to be read goes on a thread; its multi is on its way (its reply
+    held back here) when a burst arrives. The loop counts it among the bucket's entries on
+    their way, so the bucket takes its size and, at most, the thread's next multi (which
+    sends to the tail it knows without counting): 5 of a size of 4, not 6."""
+    real = claims.enqueue_async
+
+    def slow_reply(zk: KazooClient, *args: Any) -> Any:
+        sent = real(zk, *args)
+        if threading.current_thread() is threading.main_thread():
+            return sent
+        later = zk.handler.async_result()
+
+        def copy(done: Any) -> None:
+            if done.successful():
+                later.set(done.value)
+            else:
+                later.set_exception(done.exception)
+
+        sent.rawlink(lambda done: threading.Timer(0.3, copy, (done,)).start())
+        return later
+
+    bucket = client.layout.bucket("default", "normal", 0)
+
+    async def run() -> None:
+        async with AsyncClient(hosts, root, blocking_threads=1) as aio:
+            aio._enqueue = Enqueuer(aio, bucket_size=4)
+            await aio.submit("the tail, read", detach=True)
+            monkeypatch.setattr(claims, "enqueue_async", slow_reply)
+            aio._enqueue._tails.clear()  # the next submit reads the tail again, on the thread
+            first = asyncio.create_task(aio.submit("sent by the thread", detach=True))
+            await asyncio.to_thread(
+                wait_for, lambda: len(client.zk.get_children(bucket)) == 2, message="its entry"
+            )
+            await asyncio.gather(first, *(aio.submit(f"job {i}", detach=True) for i in range(6)))
+
+    asyncio.run(run())
+    pending = client.layout.pending("default", "normal")
+    sizes = [
+        len(client.zk.get_children(f"{pending}/{b}"))
+        for b in sorted(client.zk.get_children(pending))
+    ]
+    assert sum(sizes) == 8 and sizes[0] == 5, sizes
 
 
 def test_a_bulk_enqueue_overfills_no_bucket_by_more_than_a_multi(client: Client) -> None:

@@ -267,15 +267,12 @@ class AsyncClient(ClientBase):
         sent = enqueue.send_known(one, ephemeral)
         if sent is None:
             return await self.blocking(enqueue.finish, [one], None, ephemeral)
-        try:
-            with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
-                await self.wait(sent[1])
-            name = enqueue.quick(one, sent)
-            if name is not None:
-                return name
-            return await self.blocking(enqueue.finish, [one], sent, ephemeral)
-        finally:
-            enqueue.landed(one)
+        with contextlib.suppress(Exception):  # any failure: finish() reads it and acts
+            await self.wait(sent[1])
+        name = enqueue.quick(one, sent)
+        if name is not None:
+            return name
+        return await self.blocking(enqueue.finish, [one], sent, ephemeral)
 
     def find_entry(self, queue: str, priority: str, job_id: str) -> str | None:
         """The entry name of a job (the enqueuer's lookup after a lost reply; blocking)."""

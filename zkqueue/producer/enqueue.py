@@ -15,6 +15,7 @@ before creating again: a retry never enqueues a job twice.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any, Protocol
 
@@ -85,8 +86,12 @@ class Enqueuer:
         #: (queue, priority) -> (a bucket, the sequence after the last entry this client made
         #: there or 0 for a bucket it opened): how full the tail is, as far as it knows.
         self._filled: dict[tuple[str, str], tuple[int, int]] = {}
-        #: (queue, priority) -> multis sent by ``send_known`` whose replies are not taken yet.
+        #: (queue, priority) -> entries sent in multis (from any thread) whose replies have not
+        #: arrived; a reply moves its entries from here into ``_filled`` at once.
         self._flying: Counter[tuple[str, str]] = Counter()
+        #: Guards ``_filled`` and ``_flying``: multis are sent from the asyncio client's loop and
+        #: its threads, and replies arrive on kazoo's completion thread.
+        self._lock = threading.RLock()
 
     def _zk(self) -> KazooClient:
         return self.client.zk
@@ -147,8 +152,42 @@ class Enqueuer:
         entries = [
             (self.layout.entry_prefix(q, p, jid, tails[q, p][0]), data) for jid, q, p, data in chunk
         ]
-        call = claims.enqueue_async(self._zk(), checks, buckets, entries, ephemeral)
+        lanes = Counter((q, p) for _, q, p, _ in chunk)
+        with self._lock:
+            call = claims.enqueue_async(self._zk(), checks, buckets, entries, ephemeral)
+            self._flying.update(lanes)
+        call.rawlink(self._arrived(chunk, len(checks) + len(buckets), lanes))
         return len(checks) + len(buckets), call
+
+    def _arrived(self, chunk: list[Prepared], skip: int, lanes: Counter[tuple[str, str]]) -> Any:
+        """The callback for a multi's reply: count the entries it made as made, and none of the
+        chunk as flying any more, in one step (kazoo may run a callback twice: once only)."""
+        settled = False
+
+        def arrived(call: Any) -> None:
+            nonlocal settled
+            with self._lock:
+                if settled:
+                    return
+                settled = True
+                self._flying.subtract(lanes)
+                for lane in lanes:
+                    if self._flying[lane] <= 0:
+                        del self._flying[lane]
+                outcome = call.value if call.successful() else [call.exception]
+                if not any(isinstance(r, Exception) for r in outcome):
+                    for (_, queue, priority, _), path in zip(chunk, outcome[skip:], strict=True):
+                        entry = EntryName.parse(_relative(str(path)))
+                        self._count(queue, priority, entry.bucket, entry.seq + 1)
+
+        return arrived
+
+    def _count(self, queue: str, priority: str, bucket: int, filled: int) -> None:
+        """Note that ``bucket`` holds at least ``filled`` entries. What is noted only grows:
+        a later bucket replaces an earlier one, whatever that held."""
+        after = (bucket, filled)
+        with self._lock:
+            self._filled[(queue, priority)] = max(after, self._filled.get((queue, priority), after))
 
     def _signal(self, chunk: list[Prepared], queue: str, priority: str) -> bytes:
         """The arrival signal for one tail bucket: its one new entry, or empty for several."""
@@ -224,15 +263,14 @@ class Enqueuer:
         full: set[tuple[str, str, int]] = set()
         for (_, queue, priority, _), path in zip(chunk, paths, strict=True):
             entry = EntryName.parse(_relative(path))
-            after = (entry.bucket, entry.seq + 1)
-            self._filled[(queue, priority)] = max(after, self._filled.get((queue, priority), after))
+            self._count(queue, priority, entry.bucket, entry.seq + 1)
             if entry.seq + 1 >= self.bucket_size:
                 full.add((queue, priority, entry.bucket))
         for queue, priority, bucket in full:
             tail, version = self.tail(queue, priority)
             if bucket == tail:
                 claims.open_bucket(self._zk(), self.layout, queue, priority, tail, version)
-                self._filled[(queue, priority)] = (tail + 1, 0)
+                self._count(queue, priority, tail + 1, 0)
             self._tails.pop((queue, priority), None)
 
     def _recover(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
@@ -259,29 +297,21 @@ class Enqueuer:
 
     def send_known(self, one: Prepared, ephemeral: bool) -> Sent | None:
         """Send the multi that creates one entry, without blocking, where this client knows
-        its lane's tail and it has room for the entries already on their way; None otherwise
-        (the tail must be read first, a blocking read, or the multi waits for a thread, as in
-        ``create``: a burst of submits overfills no bucket by more than the threads). Every
-        multi sent is ``landed`` once its reply was taken."""
+        its lane's tail and that it has room for the entries on their way to it (from any
+        thread); None otherwise: the tail must be read first (a blocking read), or the multi
+        waits for a thread, as in ``create``, which sends to the tail it knows without that
+        check. So a burst of submits overfills a bucket by no more than the client's threads
+        (a lost reply aside: its entries count as sent no more, made or not)."""
         lane = (one[1], one[2])
-        tail = self._tails.get(lane)
-        if tail is None:
-            return None
-        bucket, filled = self._filled.get(lane, (-1, 0))
-        room = self.bucket_size - filled if bucket == tail[0] else 1
-        if self._flying[lane] >= room:
-            return None
-        sent = self._send([one], ephemeral, {lane: tail})
-        self._flying[lane] += 1
-        return sent
-
-    def landed(self, one: Prepared) -> None:
-        """A multi of ``send_known`` is settled: its reply taken, and what it left to do
-        (``finish``) done, whatever either said."""
-        lane = (one[1], one[2])
-        self._flying[lane] -= 1
-        if self._flying[lane] <= 0:
-            del self._flying[lane]
+        with self._lock:
+            tail = self._tails.get(lane)
+            if tail is None:
+                return None
+            bucket, filled = self._filled.get(lane, (-1, 0))
+            room = self.bucket_size - filled if bucket == tail[0] else 1
+            if self._flying[lane] >= room:
+                return None
+            return self._send([one], ephemeral, {lane: tail})
 
     def quick(self, one: Prepared, sent: Sent) -> str | None:
         """The entry's name where the reply to ``sent`` (arrived) created it and it left room in
