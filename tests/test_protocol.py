@@ -107,46 +107,54 @@ def test_the_loop_counts_a_threads_multi_in_flight_before_it_sends(
     client: Client, hosts: str, root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A submit whose tail had to be read goes on a thread; its multi is on its way (its reply
-    held back here) when a burst arrives. The loop counts it among the bucket's entries on
-    their way, so the bucket takes its size and, at most, the thread's next multi (which
-    sends to the tail it knows without counting): 5 of a size of 4, not 6."""
+    held back here until the burst is sent) when a burst arrives. The loop counts it among the
+    bucket's entries on their way, so the bucket takes its size and, at most, the thread's next
+    multi (which sends to the tail it knows without counting): 5 of a size of 4, not 6."""
     real = claims.enqueue_async
+    release = threading.Event()
 
-    def slow_reply(zk: KazooClient, *args: Any) -> Any:
+    def held_reply(zk: KazooClient, *args: Any) -> Any:
         sent = real(zk, *args)
-        if threading.current_thread() is threading.main_thread():
+        if not threading.current_thread().name.startswith("zkq-aio"):
             return sent
         later = zk.handler.async_result()
 
         def copy(done: Any) -> None:
+            release.wait(10)
             if done.successful():
                 later.set(done.value)
             else:
                 later.set_exception(done.exception)
 
-        sent.rawlink(lambda done: threading.Timer(0.3, copy, (done,)).start())
+        sent.rawlink(lambda done: threading.Thread(target=copy, args=(done,)).start())
         return later
 
     bucket = client.layout.bucket("default", "normal", 0)
+
+    def entries() -> int:
+        return len(client.zk.get_children(bucket))
 
     async def run() -> None:
         async with AsyncClient(hosts, root, blocking_threads=1) as aio:
             aio._enqueue = Enqueuer(aio, bucket_size=4)
             await aio.submit("the tail, read", detach=True)
-            monkeypatch.setattr(claims, "enqueue_async", slow_reply)
+            monkeypatch.setattr(claims, "enqueue_async", held_reply)
             aio._enqueue._tails.clear()  # the next submit reads the tail again, on the thread
             first = asyncio.create_task(aio.submit("sent by the thread", detach=True))
-            await asyncio.to_thread(
-                wait_for, lambda: len(client.zk.get_children(bucket)) == 2, message="its entry"
-            )
-            await asyncio.gather(first, *(aio.submit(f"job {i}", detach=True) for i in range(6)))
+            await asyncio.to_thread(wait_for, lambda: entries() == 2, message="its entry")
+            burst = [asyncio.create_task(aio.submit(f"job {i}", detach=True)) for i in range(6)]
+            # the loop sends what it has room for at once (2 with the fix, 3 without)
+            await asyncio.to_thread(wait_for, lambda: entries() >= 4, message="the burst")
+            release.set()
+            await asyncio.gather(first, *burst)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
     pending = client.layout.pending("default", "normal")
-    sizes = [
-        len(client.zk.get_children(f"{pending}/{b}"))
-        for b in sorted(client.zk.get_children(pending))
-    ]
+    buckets = sorted(client.zk.get_children(pending))
+    sizes = [len(client.zk.get_children(f"{pending}/{b}")) for b in buckets]
     assert sum(sizes) == 8 and sizes[0] == 5, sizes
 
 

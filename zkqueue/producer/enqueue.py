@@ -161,7 +161,9 @@ class Enqueuer:
 
     def _arrived(self, chunk: list[Prepared], skip: int, lanes: Counter[tuple[str, str]]) -> Any:
         """The callback for a multi's reply: count the entries it made as made, and none of the
-        chunk as flying any more, in one step (kazoo may run a callback twice: once only)."""
+        chunk as flying any more, in one step (kazoo may run a callback twice: once only). A
+        lost reply (the connection went) may hide entries made: how full its lanes' tails are
+        is forgotten, until a reply tells again."""
         settled = False
 
         def arrived(call: Any) -> None:
@@ -174,7 +176,11 @@ class Enqueuer:
                 for lane in lanes:
                     if self._flying[lane] <= 0:
                         del self._flying[lane]
-                outcome = call.value if call.successful() else [call.exception]
+                if not call.successful():
+                    for lane in lanes:
+                        self._filled.pop(lane, None)
+                    return
+                outcome = call.value
                 if not any(isinstance(r, Exception) for r in outcome):
                     for (_, queue, priority, _), path in zip(chunk, outcome[skip:], strict=True):
                         entry = EntryName.parse(_relative(str(path)))
@@ -268,8 +274,10 @@ class Enqueuer:
                 full.add((queue, priority, entry.bucket))
         for queue, priority, bucket in full:
             tail, version = self.tail(queue, priority)
-            if bucket == tail:
-                claims.open_bucket(self._zk(), self.layout, queue, priority, tail, version)
+            opened = bucket == tail and claims.open_bucket(
+                self._zk(), self.layout, queue, priority, tail, version
+            )
+            if opened:  # else someone else moved the tail: how full it is, a reply will tell
                 self._count(queue, priority, tail + 1, 0)
             self._tails.pop((queue, priority), None)
 
@@ -300,8 +308,7 @@ class Enqueuer:
         its lane's tail and that it has room for the entries on their way to it (from any
         thread); None otherwise: the tail must be read first (a blocking read), or the multi
         waits for a thread, as in ``create``, which sends to the tail it knows without that
-        check. So a burst of submits overfills a bucket by no more than the client's threads
-        (a lost reply aside: its entries count as sent no more, made or not)."""
+        check. So a burst of submits overfills a bucket by no more than the client's threads."""
         lane = (one[1], one[2])
         with self._lock:
             tail = self._tails.get(lane)
