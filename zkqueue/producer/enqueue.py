@@ -7,6 +7,10 @@ as a whole, reads the tail again and retries, so entries order exactly by (bucke
 producer whose entry fills a bucket opens the next one. A bulk enqueue sends several multis at
 once, all to the tails read before them; it stops a window at the chunk that fills a tail, so a
 bucket holds at most a chunk more than its size (a head lists its whole first bucket each turn).
+The asyncio client sends a single create from its event loop only where the tail it knows has
+room for every entry on its way there (a multi counts from when it is sent, from any thread,
+until its reply arrives), and on a thread otherwise, so a burst overfills a bucket by no more
+than its threads.
 
 After a ConnectionLoss a create may or may not have committed. The entry's name starts with the
 job id, so the producer waits (bounded) for the connection to come back and looks the id up
