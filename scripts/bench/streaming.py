@@ -173,7 +173,8 @@ def summarize(out: dict[str, Any]) -> list[str]:
         lines.append(
             "CPU per request: "
             + ", ".join(f"{k} {v:.1f} ms" for k, v in cpu.items())
-            + " (the gateway, the worker and ZooKeeper for zkq; the server for direct)"
+            + " (the gateway, the worker and ZooKeeper for zkq; the server for direct; the"
+            " measuring client, this process, for each side)"
         )
     return lines
 
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                     "worker": procs[0].pid,
                     "gateway": procs[1].pid,
                     "zookeeper": cluster.servers[0].process.pid,
+                    "client": os.getpid(),
                 }
             )
             wait_up(zkq_url.removesuffix("/v1"))
@@ -269,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 warm_until = time.monotonic() + args.warmup
                 while time.monotonic() < warm_until:
                     asyncio.run(side(url, name, 0, 2, args.max_tokens))
-            spent = {k: 0.0 for k in cpu.pids}
+            spent = {k: 0.0 for k in cpu.pids if k != "client"}
+            #: The measuring client's CPU, by the side it measured.
+            measuring = dict.fromkeys(SIDES, 0.0)
             for rep in range(args.reps):
                 order = [("direct", server.url, model), ("zkq", zkq_url, QUEUE)]
                 for name, url, model_name in order if rep % 2 == 0 else order[::-1]:
@@ -278,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                         side(url, model_name, args.c1, args.c16_rounds, args.max_tokens)
                     )
                     for k, v in cpu.since(before, digits=None).items():
-                        spent[k] += v
+                        if k == "client":
+                            measuring[name] += v
+                        else:
+                            spent[k] += v
                     out[name].append(result)
                 d, z = out["direct"][-1], out["zkq"][-1]
                 print(
@@ -288,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             per_side = args.reps * (args.c1 + 16 * args.c16_rounds)
             out["cpu_per_request_ms"] = {k: 1000 * v / per_side for k, v in spent.items()}
+            for side_name, seconds in measuring.items():
+                out["cpu_per_request_ms"][f"client ({side_name})"] = 1000 * seconds / per_side
         except BaseException:
             log.flush()
             print((tmp / "zkq.log").read_text()[-3000:], file=sys.stderr)
