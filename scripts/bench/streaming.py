@@ -2,7 +2,8 @@
 --continuous-batching``, same run, with the official ``openai`` client.
 
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
-        [--max-tokens 64] [--warmup 60] [--split-cores] [--sampling] [--json FILE]
+        [--max-tokens 64] [--warmup 60] [--split-cores [--client-with-engines]] [--sampling]
+        [--json FILE]
     .venv/bin/python -m scripts.bench.streaming --pool RUN.json [RUN.json ...]
 
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
@@ -37,7 +38,10 @@ default engine instead, which also serves sampled jobs and pays for sampling at 
 
 With ``--split-cores`` both engines run on the first core and ZooKeeper, the gateway and this
 client on the others: each engine has the same core to itself, as where the control plane runs
-on hosts of its own (and as on a GPU host, where the engine's work leaves the cores). Through
+on hosts of its own (and as on a GPU host, where the engine's work leaves the cores). This
+client then shares a core with zkq's control plane but not with the server: with
+``--client-with-engines`` it runs on the engines' core instead (where it shares with the server
+but not with the control plane), which shows how much of a difference is that sharing. Through
 zkq, with ``--no-direct`` the worker writes streams into the jobs' claims instead (``zkq worker
 --no-stream``): the figure before the data plane.
 """
@@ -202,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         "and this client on the others, as where the control plane has hosts of its own",
     )
     parser.add_argument(
+        "--client-with-engines",
+        action="store_true",
+        help="with --split-cores: this client on the engines' core, not the control plane's",
+    )
+    parser.add_argument(
         "--warmup",
         type=float,
         default=60.0,
@@ -265,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             wait_up(zkq_url.removesuffix("/v1"))
             if args.split_cores:
-                split_cores(cpu.pids)
+                split_cores(cpu.pids, client_with_engines=args.client_with_engines)
             for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
                 asyncio.run(side(url, name, 4, 1, args.max_tokens))
                 warm_until = time.monotonic() + args.warmup
@@ -345,15 +354,17 @@ def pooled(paths: list[str]) -> list[str]:
     return lines
 
 
-def split_cores(pids: dict[str, int]) -> None:
-    """The engines on the first core, every other process of the run on the rest."""
+def split_cores(pids: dict[str, int], client_with_engines: bool = False) -> None:
+    """The engines on the first core, every other process of the run on the rest (this
+    client too, unless ``client_with_engines``)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("--split-cores needs two cores at least")
     engines, rest = {cores[0]}, set(cores[1:])
+    on_engines = {"server", "worker"} | ({"client"} if client_with_engines else set())
     for name, pid in pids.items():
-        pin(pid, engines if name in ("server", "worker") else rest)
-    pin(os.getpid(), rest)
+        pin(pid, engines if name in on_engines else rest)
+    pin(os.getpid(), engines if client_with_engines else rest)
 
 
 #: The gateway's line for each finished job (``zkq serve --log-level info``): its steps in
