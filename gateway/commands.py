@@ -26,7 +26,6 @@ import click
 
 from gateway.config import GatewayConfig, load
 from zkqueue.errors import ConfigurationError, ZkqError
-from zkqueue.plumbing.interpreter import prompt_handoffs
 from zkqueue.plumbing.logs import configure as configure_logging
 from zkqueue.producer.aio import AsyncClient
 
@@ -122,15 +121,12 @@ def serve(
         sys.exit(exc.exit_code)
 
 
-def _long_lived() -> None:
+def _freeze() -> None:
     """What start-up made (the imported libraries, the client, the app) lives as long as the
     server: out of the collector's full passes, each a pause of every request in flight (20-30
-    ms on the gateway of the streaming benchmark without this, 4-13 with it). And kazoo's
-    thread, which reads ZooKeeper's replies, gets the GIL from a busy event loop within half a
-    millisecond, not 5 ms (``prompt_handoffs``)."""
+    ms on the gateway of the streaming benchmark without this, 4-13 with it)."""
     gc.collect()
     gc.freeze()
-    prompt_handoffs()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -157,7 +153,7 @@ async def run(
     """Connect, then serve until SIGTERM/SIGINT (or ``server.should_exit``). ``sock``: an
     already bound socket (tests); ``started(server)`` is called once it listens; ``freeze``
     (the ``zkq serve`` process, not a test's): what start-up made is kept out of the garbage
-    collector's passes, and the interpreter switches threads promptly (``_long_lived``)."""
+    collector's passes (``_freeze``)."""
     import uvicorn
 
     from gateway.app import create_app
@@ -186,7 +182,7 @@ async def run(
             self.should_exit = True
 
     async with client:
-        app = create_app(client, config, on_started=_long_lived if freeze else None)
+        app = create_app(client, config, on_started=_freeze if freeze else None)
         server = Server(
             uvicorn.Config(
                 app,

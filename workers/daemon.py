@@ -26,7 +26,6 @@ from zkqueue.errors import ConfigurationError
 from zkqueue.operations.expiry import ExpiryLimits
 from zkqueue.operations.janitor import Janitor, JanitorService
 from zkqueue.plumbing.connection import ConnectionSettings, close, connect, mapped_errors
-from zkqueue.plumbing.interpreter import prompt_handoffs
 from zkqueue.protocol.layout import Layout
 
 if TYPE_CHECKING:
@@ -133,9 +132,6 @@ def _serve(
     # worker). The HF runner unfreezes them if its engine dies, so that the dead one is freed.
     gc.collect()
     gc.freeze()
-    # The threads that claim a job and carry its tokens get the GIL within half a millisecond
-    # of asking, not 5 ms, while the engine's thread is busy with the jobs claimed before.
-    prompt_handoffs()
     try:
         worker.run(on_ready=ready)
     finally:
