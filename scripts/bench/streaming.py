@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         "request of them all as one sample (a p99 of one run is its few slowest requests)",
     )
     args = parser.parse_args(argv)
+    if args.client_with_engines and not args.split_cores:
+        parser.error("--client-with-engines needs --split-cores")
     if args.pool:
         print("\n".join(pooled(args.pool)))
         return 0
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 while time.monotonic() < warm_until:
                     asyncio.run(side(url, name, 0, 2, args.max_tokens))
             spent = {k: 0.0 for k in cpu.pids if k != "client"}
-            #: The measuring client's CPU, by the side it measured.
+            # The measuring client's CPU, by the side it measured.
             measuring = dict.fromkeys(SIDES, 0.0)
             for rep in range(args.reps):
                 order = [("direct", server.url, model), ("zkq", zkq_url, QUEUE)]
@@ -355,16 +357,16 @@ def pooled(paths: list[str]) -> list[str]:
 
 
 def split_cores(pids: dict[str, int], client_with_engines: bool = False) -> None:
-    """The engines on the first core, every other process of the run on the rest (this
-    client too, unless ``client_with_engines``)."""
+    """The engines (``pids`` named server and worker) on the first core, every other
+    process of the run on the rest: the one named client (this process) too, unless
+    ``client_with_engines``."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("--split-cores needs two cores at least")
     engines, rest = {cores[0]}, set(cores[1:])
     on_engines = {"server", "worker"} | ({"client"} if client_with_engines else set())
-    for name, pid in pids.items():
+    for name, pid in pids.items():  # the client: this process
         pin(pid, engines if name in on_engines else rest)
-    pin(os.getpid(), engines if client_with_engines else rest)
 
 
 #: The gateway's line for each finished job (``zkq serve --log-level info``): its steps in
