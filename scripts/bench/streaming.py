@@ -2,7 +2,8 @@
 --continuous-batching``, same run, with the official ``openai`` client.
 
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
-        [--max-tokens 64] [--warmup 60] [--split-cores [--client-with-engines]] [--sampling]
+        [--max-tokens 64] [--warmup 60] [--split-cores [--client-with-engines | --client-apart]]
+        [--sampling]
         [--json FILE]
     .venv/bin/python -m scripts.bench.streaming --pool RUN.json [RUN.json ...]
 
@@ -41,7 +42,9 @@ client on the others: each engine has the same core to itself, as where the cont
 on hosts of its own (and as on a GPU host, where the engine's work leaves the cores). This
 client then shares a core with zkq's control plane but not with the server: with
 ``--client-with-engines`` it runs on the engines' core instead (where it shares with the server
-but not with the control plane), which shows how much of a difference is that sharing. Through
+but not with the control plane), which shows how much of a difference is that sharing; with
+``--client-apart`` (3 cores at least) it has the third core and those after to itself, and
+the control plane the second alone: neither side shares with the client. Through
 zkq, with ``--no-direct`` the worker writes streams into the jobs' claims instead (``zkq worker
 --no-stream``): the figure before the data plane.
 """
@@ -205,10 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         help="both engines (the server, the worker) on the first core; ZooKeeper, the gateway "
         "and this client on the others, as where the control plane has hosts of its own",
     )
-    parser.add_argument(
+    placing = parser.add_mutually_exclusive_group()
+    placing.add_argument(
         "--client-with-engines",
         action="store_true",
         help="with --split-cores: this client on the engines' core, not the control plane's",
+    )
+    placing.add_argument(
+        "--client-apart",
+        action="store_true",
+        help="with --split-cores, on 3 cores at least: this client on cores of its own (the "
+        "third on), the control plane on the second alone",
     )
     parser.add_argument(
         "--warmup",
@@ -226,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         "request of them all as one sample (a p99 of one run is its few slowest requests)",
     )
     args = parser.parse_args(argv)
-    if args.client_with_engines and not args.split_cores:
-        parser.error("--client-with-engines needs --split-cores")
+    if (args.client_with_engines or args.client_apart) and not args.split_cores:
+        parser.error("--client-with-engines and --client-apart need --split-cores")
+    if args.client_apart and len(os.sched_getaffinity(0)) < 3:
+        parser.error("--client-apart needs 3 cores at least")
     if args.pool:
         print("\n".join(pooled(args.pool)))
         return 0
@@ -276,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             wait_up(zkq_url.removesuffix("/v1"))
             if args.split_cores:
-                split_cores(cpu.pids, client_with_engines=args.client_with_engines)
+                placed = "engines" if args.client_with_engines else "control"
+                split_cores(cpu.pids, client="apart" if args.client_apart else placed)
             for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
                 asyncio.run(side(url, name, 4, 1, args.max_tokens))
                 warm_until = time.monotonic() + args.warmup
@@ -356,17 +369,23 @@ def pooled(paths: list[str]) -> list[str]:
     return lines
 
 
-def split_cores(pids: dict[str, int], client_with_engines: bool = False) -> None:
+def split_cores(pids: dict[str, int], client: str = "control") -> None:
     """The engines (``pids`` named server and worker) on the first core, every other
-    process of the run on the rest: the one named client (this process) too, unless
-    ``client_with_engines``."""
+    process of the run (ZooKeeper, the gateway) on the rest. The one named client (this
+    process) goes with the ``control`` plane, with the ``engines``, or ``apart``: on the
+    third core and those after, the control plane then on the second alone."""
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("--split-cores needs two cores at least")
-    engines, rest = {cores[0]}, set(cores[1:])
-    on_engines = {"server", "worker"} | ({"client"} if client_with_engines else set())
+    if len(cores) < (3 if client == "apart" else 2):
+        raise SystemExit(f"--split-cores with the client {client} needs more cores")
+    engines, control = {cores[0]}, set(cores[1:])
+    own = {"engines": engines, "control": control, "apart": set(cores[2:])}[client]
+    if client == "apart":
+        control = {cores[1]}
     for name, pid in pids.items():  # the client: this process
-        pin(pid, engines if name in on_engines else rest)
+        if name == "client":
+            pin(pid, own)
+        else:
+            pin(pid, engines if name in ("server", "worker") else control)
 
 
 #: The gateway's line for each finished job (``zkq serve --log-level info``): its steps in
