@@ -3,8 +3,7 @@
 
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
         [--max-tokens 64] [--warmup 60] [--split-cores [--client-with-engines | --client-apart]]
-        [--sampling]
-        [--json FILE]
+        [--sampling] [--json FILE]
     .venv/bin/python -m scripts.bench.streaming --pool RUN.json [RUN.json ...]
 
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
@@ -377,10 +376,9 @@ def split_cores(pids: dict[str, int], client: str = "control") -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < (3 if client == "apart" else 2):
         raise SystemExit(f"--split-cores with the client {client} needs more cores")
-    engines, control = {cores[0]}, set(cores[1:])
+    engines = {cores[0]}
+    control = {cores[1]} if client == "apart" else set(cores[1:])
     own = {"engines": engines, "control": control, "apart": set(cores[2:])}[client]
-    if client == "apart":
-        control = {cores[1]}
     for name, pid in pids.items():  # the client: this process
         if name == "client":
             pin(pid, own)
