@@ -13,6 +13,7 @@ from kazoo.exceptions import ConnectionLoss, SessionExpiredError
 from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError
 from zkqueue.errors import JobNotFound
 from zkqueue.producer import bulk
+from zkqueue.producer.enqueue import Enqueuer
 from zkqueue.protocol import claims, counts
 
 
@@ -165,6 +166,23 @@ def test_submit_many_whose_multi_reply_was_lost_enqueues_each_job_once(
     assert sent == ([100, 100, 50] if committed else [100, 100, 100, 50])
     entries = _all_entries(client)
     assert sorted(entries) == sorted(j.entry for j in jobs) and len(set(entries)) == 250
+
+
+def test_a_recovered_multi_that_filled_its_bucket_opens_the_next(
+    client: Client, monkeypatch
+) -> None:
+    """A multi that committed but whose reply was lost, and that filled its tail bucket: the
+    lookup that recovers its entries also opens the next bucket, as its reply would have, so
+    the next job goes there and the full bucket takes no more."""
+    client._enqueue = Enqueuer(client, bucket_size=3)
+    client.ensure_queue("default")
+    sent = _patch_enqueue(monkeypatch, lambda n: "commit+lose" if n == 1 else "commit")
+    batch = client.submit_many(["a", "b", "c"])
+    assert sent == [3]  # one multi, recovered by looking its ids up: nothing sent again
+    assert [j.entry.split("/")[0] for j in batch] == ["0000000000"] * 3
+    after = client.submit("d", detach=True)
+    assert after.entry is not None and after.entry.split("/")[0] == "0000000001"
+    assert sorted(_all_entries(client)) == sorted([*(j.entry for j in batch), after.entry])
 
 
 def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:

@@ -14,7 +14,8 @@ than its threads.
 
 After a ConnectionLoss a create may or may not have committed. The entry's name starts with the
 job id, so the producer waits (bounded) for the connection to come back and looks the id up
-before creating again: a retry never enqueues a job twice.
+before creating again: a retry never enqueues a job twice. What it finds counts as its reply
+would have: a bucket it filled is opened.
 """
 
 from __future__ import annotations
@@ -264,15 +265,16 @@ class Enqueuer:
                     self._tails.pop((q, p), None)
                 raise _Stale
             raise first
-        paths = [str(path) for path in outcome[checks:]]
-        self._open_full(chunk, paths)
-        return [_relative(path) for path in paths]
+        names = [_relative(str(path)) for path in outcome[checks:]]
+        self._open_full(chunk, names)
+        return [*names]
 
-    def _open_full(self, chunk: list[Prepared], paths: list[str]) -> None:
-        """Open the next bucket of every priority whose tail bucket this chunk filled."""
+    def _open_full(self, chunk: list[Prepared], names: list[str]) -> None:
+        """Count the entries this chunk made (``names``, one per entry) and open the next
+        bucket of every priority whose tail bucket they filled."""
         full: set[tuple[str, str, int]] = set()
-        for (_, queue, priority, _), path in zip(chunk, paths, strict=True):
-            entry = EntryName.parse(_relative(path))
+        for (_, queue, priority, _), name in zip(chunk, names, strict=True):
+            entry = EntryName.parse(name)
             self._count(queue, priority, entry.bucket, entry.seq + 1)
             if entry.seq + 1 >= self.bucket_size:
                 full.add((queue, priority, entry.bucket))
@@ -294,8 +296,12 @@ class Enqueuer:
             self._zk(), self.settings, lambda: self.find(queue, priority, jid), "enqueuing"
         )
         names = [first, *(self.find(q, p, j) for j, q, p, _ in chunk[1:])]
+        found = [(one, name) for one, name in zip(chunk, names, strict=True) if name]
+        if found:  # it committed: count what it made, and open the bucket it may have filled
+            self._open_full([one for one, _ in found], [name for _, name in found])
+            return names
         zk = self._zk()
-        if any(names) or any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
+        if any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
             return names
         return self._retry(chunk, ephemeral)
 
@@ -337,7 +343,7 @@ class Enqueuer:
         name = _relative(str(outcome[checks]))
         if EntryName.parse(name).seq + 1 >= self.bucket_size:
             return None
-        self._open_full([one], [str(outcome[checks])])  # counts the entry; opens nothing
+        self._open_full([one], [name])  # counts the entry; opens nothing
         return name
 
     def finish(self, chunk: list[Prepared], sent: Sent | None, ephemeral: bool) -> str | None:
