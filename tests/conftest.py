@@ -3,8 +3,10 @@ subprocess workers, and bounded waits. The ZooKeeper log is printed when a test 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -138,6 +140,65 @@ def new_zk(hosts: str) -> Iterator[Callable[..., KazooClient]]:
     for zk in opened:
         zk.stop()
         zk.close()
+
+
+class Relay:
+    """A TCP relay to ZooKeeper that can hold its traffic (a server that stops answering) or
+    drop every connection and refuse new ones (a server that went away), then come back."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.split(",")[0].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.conns: list[socket.socket] = []
+        self.listener = self._listen(0)
+        self.port = self.listener.getsockname()[1]
+
+    def _listen(self, port: int) -> socket.socket:
+        listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return listener
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.conns += [conn, upstream]
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+    def cut(self) -> None:
+        # shutdown() first: on Linux a close() alone wakes neither accept() nor recv().
+        for sock in [self.listener, *self.conns]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self.conns = []
+
+    def restore(self) -> None:
+        self.listener = self._listen(self.port)
+
+
+@pytest.fixture
+def relay(hosts: str) -> Iterator[Relay]:
+    r = Relay(hosts)
+    yield r
+    r.flowing.set()
+    r.cut()
 
 
 class WorkerThread:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
+from kazoo.client import KazooClient
 
-from tests.conftest import running_on, wait_for
+from tests.conftest import Relay, WorkerThread, running_on, wait_for
+from workers.loop import GOODBYE_TIMEOUT, Worker
+from workers.options import WorkerOptions
+from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
 from zkqueue import Client
 
@@ -95,3 +100,24 @@ def test_a_worker_says_what_it_does_at_the_default_level(zkq, client: Client) ->
     assert "stopped" in out.stderr
     quiet = zkq("worker", "--burst", "-q", timeout=60)
     assert quiet.returncode == 0 and "registered worker" not in quiet.stderr
+
+
+def test_a_worker_stopped_while_zookeeper_is_away_still_stops(relay: Relay, root: str) -> None:
+    """kazoo queues a request sent while it is disconnected until ZooKeeper comes back: a worker
+    stopped then does not wait for that to leave the line and unregister. It stops within
+    GOODBYE_TIMEOUT; its nodes are ephemeral, and go with its session."""
+    zk = KazooClient(hosts=f"127.0.0.1:{relay.port}", timeout=4.0)
+    zk.start(timeout=10)
+    try:
+        opts = WorkerOptions(root=root, heartbeat_interval=0.5)
+        worker = WorkerThread(Worker(zk, EchoRunner(), opts)).start()
+        relay.cut()  # ZooKeeper goes away
+        wait_for(lambda: not zk.connected, message="the worker's client to notice")
+        stopping = time.monotonic()
+        worker.stop(drain=True, timeout=GOODBYE_TIMEOUT + 15)
+        assert not worker.thread.is_alive(), "the worker waits for ZooKeeper to come back"
+        assert time.monotonic() - stopping < GOODBYE_TIMEOUT + 10
+        assert worker.error is None
+    finally:
+        zk.stop()
+        zk.close()

@@ -4,19 +4,15 @@ away."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 
-import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from tests.conftest import wait_for
+from tests.conftest import Relay, wait_for
 from workers.metrics import WorkerMetrics
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
@@ -219,65 +215,6 @@ def test_scrape_against_an_unreachable_zookeeper_counts_an_error() -> None:
     assert families["zkq_exporter_scrape_errors"].samples[0].value == 2
     assert families["zkq_exporter_zookeeper_up"].samples[0].value == 0
     assert families["zkq_queue_depth"].samples == []
-
-
-class Relay:
-    """A TCP relay to ZooKeeper that can hold its traffic (a server that stops answering) or
-    drop every connection and refuse new ones (a server that went away), then come back."""
-
-    def __init__(self, target: str) -> None:
-        host, port = target.split(",")[0].rsplit(":", 1)
-        self.target = (host, int(port))
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self.conns: list[socket.socket] = []
-        self.listener = self._listen(0)
-        self.port = self.listener.getsockname()[1]
-
-    def _listen(self, port: int) -> socket.socket:
-        listener = socket.create_server(("127.0.0.1", port), reuse_port=False)
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-        return listener
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            self.conns += [conn, upstream]
-            for src, dst in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                self.flowing.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            s.close()
-
-    def cut(self) -> None:
-        # shutdown() first: on Linux a close() alone wakes neither accept() nor recv().
-        for sock in [self.listener, *self.conns]:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        self.conns = []
-
-    def restore(self) -> None:
-        self.listener = self._listen(self.port)
-
-
-@pytest.fixture
-def relay(hosts: str) -> Iterator[Relay]:
-    r = Relay(hosts)
-    yield r
-    r.flowing.set()
-    r.cut()
 
 
 def test_scrapes_survive_zookeeper_going_away_and_coming_back(relay: Relay, root: str) -> None:

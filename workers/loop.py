@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import ConnectionClosedError, NoNodeError
 from kazoo.protocol.states import KazooState
 
 from workers.admission import Admission
@@ -46,6 +46,9 @@ log = logging.getLogger("zkq.worker")
 
 #: After a drain times out, how long released jobs get to stop before the worker exits anyway.
 _RELEASE_GRACE = 5.0
+#: How long a stopping worker waits for ZooKeeper to take back its place in the line and its
+#: registration; then it stops without: they are ephemeral, and go with its session.
+GOODBYE_TIMEOUT = 5.0
 
 
 class Worker:
@@ -492,6 +495,15 @@ class Worker:
         self.view.forget_watches()
         self.preemption.forget()
 
+    def _say_goodbye(self) -> None:
+        try:
+            self._leave_line()
+            self.registry.unregister()
+        except (*TRANSIENT, ConnectionClosedError):  # gone, or closed after the timeout
+            pass
+        except Exception as exc:  # on a thread of its own: said, never a lost traceback
+            log.warning("could not leave ZooKeeper cleanly: %s: %s", type(exc).__name__, exc)
+
     def _begin_stop(self, drain: bool) -> None:
         if self.state == State.DRAINING or not drain:
             self._release_all()
@@ -516,23 +528,33 @@ class Worker:
 
     def _leave_line(self) -> None:
         self.head.drop_watches_soon()  # a draining worker is no longer head
-        try:
-            self.line.leave()
-            self.preemption.leave()
-        except TRANSIENT:
-            self.line.forget()
-            self.preemption.forget()
-            self.liveness.unsure = True  # the node may still be there: the next sweep removes it
+        # Disconnected, a delete would wait for ZooKeeper to come back (kazoo queues it).
+        if self.zk.connected:
+            try:
+                self.line.leave()
+                self.preemption.leave()
+                return
+            except TRANSIENT:
+                pass
+        self.line.forget()
+        self.preemption.forget()
+        self.liveness.unsure = True  # the node may still be there: the next sweep removes it
 
     def _shutdown(self) -> None:
         self.state = State.STOPPED
         self.zk.remove_listener(self._on_state)
         self.bridge.cancel_all(CancelReason.RELEASED)
-        try:
-            self._leave_line()
-            self.registry.unregister()
-        except TRANSIENT:
-            pass
+        # kazoo's calls have no timeout: on a thread, waited for at most GOODBYE_TIMEOUT, so a
+        # worker stopped while ZooKeeper is away (or not answering) still stops.
+        goodbye = threading.Thread(target=self._say_goodbye, name="zkq-goodbye", daemon=True)
+        goodbye.start()
+        goodbye.join(GOODBYE_TIMEOUT)
+        if goodbye.is_alive():
+            log.warning(
+                "ZooKeeper did not answer within %gs: stopping without removing this worker's "
+                "place in the line and its registration (they go with its session)",
+                GOODBYE_TIMEOUT,
+            )
         if self.streams is not None:
             self.streams.close()
         log.info("worker %s stopped: %s", self.id, self.stats)
