@@ -104,8 +104,8 @@ def test_a_worker_says_what_it_does_at_the_default_level(zkq, client: Client) ->
 
 def test_a_worker_stopped_while_zookeeper_is_away_still_stops(relay: Relay, root: str) -> None:
     """kazoo queues a request sent while it is disconnected until ZooKeeper comes back: a worker
-    stopped then does not wait for that to leave the line and unregister. It stops within
-    GOODBYE_TIMEOUT; its nodes are ephemeral, and go with its session."""
+    stopped then sends none to leave the line or unregister (its nodes are ephemeral, and go
+    with its session), and waits for ZooKeeper at most GOODBYE_TIMEOUT when connected."""
     zk = KazooClient(hosts=f"127.0.0.1:{relay.port}", timeout=4.0)
     zk.start(timeout=10)
     try:

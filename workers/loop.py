@@ -3,7 +3,8 @@ runner at once, complete each as soon as it ends, and survive connection trouble
 head turn (``workers.head``), the runner bridge (``workers.bridge``: jobs in, outcomes out, entry
 watches, streaming), completion (``workers.completion``: fenced, coalesced writes) and liveness
 (``workers.liveness``: session states, leases, heartbeats). All ZooKeeper state is touched from
-the loop's thread only; watches, the connection listener and the runner just post events.
+the loop's thread only (at the end, by the goodbye thread it waits for); watches, the connection
+listener and the runner just post events.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionClosedError, NoNodeError
+from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import KazooState
 
 from workers.admission import Admission
@@ -496,10 +497,11 @@ class Worker:
         self.preemption.forget()
 
     def _say_goodbye(self) -> None:
+        """Leave the line and unregister (on a thread of its own: see ``_shutdown``)."""
         try:
             self._leave_line()
             self.registry.unregister()
-        except (*TRANSIENT, ConnectionClosedError):  # gone, or closed after the timeout
+        except TRANSIENT:  # gone, or closed after the timeout (ConnectionClosedError)
             pass
         except Exception as exc:  # on a thread of its own: said, never a lost traceback
             log.warning("could not leave ZooKeeper cleanly: %s: %s", type(exc).__name__, exc)
@@ -535,26 +537,37 @@ class Worker:
                 self.preemption.leave()
                 return
             except TRANSIENT:
-                pass
+                self.liveness.unsure = True
+        else:
+            self.liveness.trouble()  # claim nothing until the connection is back
+        # Forgotten, though the session may live on: the node may still be there (a running
+        # loop's next sweep removes it; a stopping worker's session takes it).
         self.line.forget()
         self.preemption.forget()
-        self.liveness.unsure = True  # the node may still be there: the next sweep removes it
 
     def _shutdown(self) -> None:
         self.state = State.STOPPED
         self.zk.remove_listener(self._on_state)
         self.bridge.cancel_all(CancelReason.RELEASED)
-        # kazoo's calls have no timeout: on a thread, waited for at most GOODBYE_TIMEOUT, so a
-        # worker stopped while ZooKeeper is away (or not answering) still stops.
-        goodbye = threading.Thread(target=self._say_goodbye, name="zkq-goodbye", daemon=True)
-        goodbye.start()
-        goodbye.join(GOODBYE_TIMEOUT)
-        if goodbye.is_alive():
+        # kazoo's calls have no timeout, and one sent while disconnected waits for ZooKeeper to
+        # come back: none is sent then, and the goodbye runs on a thread waited for at most
+        # GOODBYE_TIMEOUT (the connection may go meanwhile, or ZooKeeper not answer). Either
+        # way the worker stops; its nodes are ephemeral and go with its session.
+        if not self.zk.connected:
             log.warning(
-                "ZooKeeper did not answer within %gs: stopping without removing this worker's "
-                "place in the line and its registration (they go with its session)",
-                GOODBYE_TIMEOUT,
+                "ZooKeeper is unreachable: stopping without removing this worker's place in "
+                "the line and its registration (they go with its session)"
             )
+        else:
+            goodbye = threading.Thread(target=self._say_goodbye, name="zkq-goodbye", daemon=True)
+            goodbye.start()
+            goodbye.join(GOODBYE_TIMEOUT)
+            if goodbye.is_alive():
+                log.warning(
+                    "ZooKeeper did not answer within %gs: stopping without removing this "
+                    "worker's place in the line and its registration (they go with its session)",
+                    GOODBYE_TIMEOUT,
+                )
         if self.streams is not None:
             self.streams.close()
         log.info("worker %s stopped: %s", self.id, self.stats)

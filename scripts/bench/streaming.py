@@ -2,8 +2,9 @@
 --continuous-batching``, same run, with the official ``openai`` client.
 
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
-        [--max-tokens 64] [--warmup 60] [--split-cores [--client-with-engines | --client-apart]]
-        [--sampling] [--json FILE]
+        [--max-tokens 64] [--warmup 60]
+        [--split-cores [--client-with-engines | --client-apart] | --client-alone]
+        [--shared-session] [--sampling] [--json FILE]
     .venv/bin/python -m scripts.bench.streaming --pool RUN.json [RUN.json ...]
 
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
@@ -28,6 +29,12 @@ process spent per request; and where the time to first content goes through zkq 
 text sent by the gateway, from its request's arrival there (the gateway's info line for each
 finished job).
 
+Every process of the run has a session of its own, as each service has its own unit (and
+cgroup) where it is deployed: Linux groups a busy core's time by session (autogroup) before
+sharing it among threads, so a process in this client's session would share one group's time
+with it. ``--shared-session`` leaves the worker and the gateway in this process's session, as
+runs before 6 December 2026 did (ZooKeeper and the server had their own).
+
 Before the reps, each side takes ``--warmup`` seconds of bursts: ZooKeeper's JVM goes on
 compiling its hot code for a minute or so under this load (a long-running ensemble has), and its
 compiler's thread would otherwise take a core's share from everything else.
@@ -43,7 +50,14 @@ client then shares a core with zkq's control plane but not with the server: with
 ``--client-with-engines`` it runs on the engines' core instead (where it shares with the server
 but not with the control plane), which shows how much of a difference is that sharing; with
 ``--client-apart`` (3 cores at least) it has the third core and those after to itself, and
-the control plane the second alone: neither side shares with the client. Through
+the control plane the second alone: neither side shares with the client.
+
+With ``--client-alone`` this client has the last core to itself and everything else (both
+engines, ZooKeeper, the gateway) shares the others: on two cores, each side's whole system runs
+on one core, its engine beside its own request handling (the server's HTTP in its process; zkq's
+ZooKeeper, gateway and worker), and neither shares with the client, which stands for callers on
+hosts of their own. zkq's control plane then takes its CPU from the engine's core, which a
+deployment with hosts of its own for ZooKeeper and the gateway would not. Through
 zkq, with ``--no-direct`` the worker writes streams into the jobs' claims instead (``zkq worker
 --no-stream``): the figure before the data plane.
 """
@@ -220,6 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         "third on), the control plane on the second alone",
     )
     parser.add_argument(
+        "--client-alone",
+        action="store_true",
+        help="this client on the last core alone, everything else (both engines, ZooKeeper, "
+        "the gateway) on the others: each side's whole system on the same core(s), the "
+        "client apart from both",
+    )
+    parser.add_argument(
+        "--shared-session",
+        action="store_true",
+        help="the worker and the gateway in this process's session (so one scheduling group "
+        "with this client), as runs before 6 December 2026 had them; by default each "
+        "process has a session of its own, as ZooKeeper and the server always have",
+    )
+    parser.add_argument(
         "--warmup",
         type=float,
         default=60.0,
@@ -237,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.client_with_engines or args.client_apart) and not args.split_cores:
         parser.error("--client-with-engines and --client-apart need --split-cores")
+    if args.client_alone and args.split_cores:
+        parser.error("--client-alone and --split-cores are different layouts: give one")
     if args.client_apart and len(os.sched_getaffinity(0)) < 3:
         parser.error("--client-apart needs 3 cores at least")
     if args.pool:
@@ -254,16 +284,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_direct:
             worker_cmd.append("--no-stream")
         port = free_port()
+        own_sessions = not args.shared_session
         threads = {"OMP_NUM_THREADS": str(args.worker_threads)} if args.worker_threads else {}
         procs = [
             subprocess.Popen(
-                worker_cmd, env=child_env(**threads), stdout=log, stderr=subprocess.STDOUT
+                worker_cmd,
+                env=child_env(**threads),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=own_sessions,
             ),
             subprocess.Popen(
                 [*base, "serve", "--port", str(port), "--log-level", "info"],
                 env=child_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=own_sessions,
             ),
         ]
         try:
@@ -289,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.split_cores:
                 placed = "engines" if args.client_with_engines else "control"
                 split_cores(cpu.pids, client="apart" if args.client_apart else placed)
+            elif args.client_alone:
+                client_alone(cpu.pids)
             for url, name in ((zkq_url, QUEUE), (server.url, model)):  # warm both paths
                 asyncio.run(side(url, name, 4, 1, args.max_tokens))
                 warm_until = time.monotonic() + args.warmup
@@ -384,6 +422,16 @@ def split_cores(pids: dict[str, int], client: str = "control") -> None:
             pin(pid, own)
         else:
             pin(pid, engines if name in ("server", "worker") else control)
+
+
+def client_alone(pids: dict[str, int]) -> None:
+    """The one of ``pids`` named client (this process) on the last core alone, every other
+    process of the run on the cores before it."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--client-alone needs 2 cores at least")
+    for name, pid in pids.items():
+        pin(pid, {cores[-1]} if name == "client" else set(cores[:-1]))
 
 
 #: The gateway's line for each finished job (``zkq serve --log-level info``): its steps in

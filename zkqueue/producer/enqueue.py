@@ -20,6 +20,7 @@ would have: a bucket it filled is opened.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from typing import Any, Protocol
@@ -35,7 +36,7 @@ from kazoo.exceptions import (
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, QueueFull, ZkqConnectionError
-from zkqueue.plumbing.connection import ConnectionSettings, read_through_loss
+from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, read_through_loss
 from zkqueue.protocol import arrival, claims, counts, revision
 from zkqueue.protocol.layout import TENANT_MARK, EntryName, Layout
 from zkqueue.protocol.nodes import read_tail
@@ -298,7 +299,10 @@ class Enqueuer:
         names = [first, *(self.find(q, p, j) for j, q, p, _ in chunk[1:])]
         found = [(one, name) for one, name in zip(chunk, names, strict=True) if name]
         if found:  # it committed: count what it made, and open the bucket it may have filled
-            self._open_full([one for one, _ in found], [name for _, name in found])
+            # (best effort, as ever: the next entry past a full bucket opens it otherwise; the
+            # jobs are enqueued, which a connection error here must not make look otherwise)
+            with contextlib.suppress(*TRANSIENT):
+                self._open_full([one for one, _ in found], [name for _, name in found])
             return names
         zk = self._zk()
         if any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
