@@ -208,6 +208,24 @@ def test_a_closed_client_refuses_work_and_keeps_no_threads(hosts: str, root: str
     )
 
 
+def test_close_does_not_wait_for_a_busy_pool(hosts: str, root: str) -> None:
+    """Every one of the client's threads is busy (as submits sent while ZooKeeper is away wait
+    for it to come back): closing the session does not queue behind them, and ends what waits
+    on it."""
+
+    async def main() -> None:
+        aio = await AsyncClient(hosts, root, session_timeout=4.0, blocking_threads=1).start()
+        gate = threading.Event()
+        busy = asyncio.ensure_future(aio.blocking(gate.wait))
+        try:
+            await asyncio.wait_for(aio.close(), 15)
+        finally:
+            gate.set()
+            await busy
+
+    asyncio.run(main())
+
+
 def test_blocking_threads_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         AsyncClient(blocking_threads=0)

@@ -136,7 +136,14 @@ class AsyncClient(ClientBase):
         try:
             if self._zk is not None and self._owns_zk:
                 zk, self._zk = self._zk, None
-                await self.blocking(close, zk)
+                # On a thread of its own, not the pool: every pool thread may be waiting on a
+                # call that only closing the session ends (kazoo holds a request sent while
+                # ZooKeeper is away until it comes back).
+                closer = ThreadPoolExecutor(1, thread_name_prefix="zkq-aio-close")
+                try:
+                    await asyncio.get_running_loop().run_in_executor(closer, close, zk)
+                finally:
+                    closer.shutdown(wait=False)  # the loop never waits on a thread
         finally:
             if self._pool is not None:  # later blocking calls fail: the client is closed
                 pool, self._pool = self._pool, None
