@@ -33,11 +33,14 @@ class InferenceServer:
         *,
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
+        device: str = "cpu",
     ) -> None:
         self.model_dir = str(model_dir)
         self.log_path = Path(log_path)
         self.port = port or free_port()
         self.extra_args = extra_args
+        #: Where the server runs its model (its ``--device``: cpu, cuda, cuda:N).
+        self.device = device
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -62,7 +65,7 @@ class InferenceServer:
             "--port",
             str(self.port),
             "--device",
-            "cpu",
+            self.device,
             "--log-level",
             "info",
             # Left to itself the server sizes its KV cache from the host's memory (about 14 GiB

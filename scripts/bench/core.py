@@ -308,10 +308,13 @@ def report(out: dict[str, Any], summary: list[str], path: str | None) -> None:
 
 
 @contextlib.contextmanager
-def tiny_model_served(prefix: str) -> Iterator[tuple[Path, InferenceServer, ZkCluster]]:
+def tiny_model_served(
+    prefix: str, device: str = "cpu"
+) -> Iterator[tuple[Path, InferenceServer, ZkCluster]]:
     """A temporary folder holding the tiny model (``zkq tiny-model``, in ``<folder>/tiny``),
-    ``transformers serve --continuous-batching`` on it and a standalone ZooKeeper, for the
-    benchmarks that set zkq beside that server; both stopped and the folder removed after."""
+    ``transformers serve --continuous-batching`` on it (on ``device``) and a standalone
+    ZooKeeper, for the benchmarks that set zkq beside that server; both stopped and the folder
+    removed after."""
     from workers.testing import InferenceServer
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
@@ -320,7 +323,7 @@ def tiny_model_served(prefix: str) -> Iterator[tuple[Path, InferenceServer, ZkCl
         subprocess.run(
             [*ZKQ_CLI, "tiny-model", model], env=child_env(), capture_output=True, check=True
         )
-        server = InferenceServer(model, folder / "serve.log").start()
+        server = InferenceServer(model, folder / "serve.log", device=device).start()
         try:
             cluster = ZkCluster(1).start()
             try:

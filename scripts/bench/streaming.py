@@ -4,7 +4,7 @@
     .venv/bin/python -m scripts.bench.streaming [--reps 6] [--c1 10] [--c16-rounds 2]
         [--max-tokens 64] [--warmup 60]
         [--split-cores [--client-with-engines | --client-apart] | --client-alone]
-        [--shared-session] [--sampling] [--json FILE]
+        [--shared-session] [--sampling] [--device cpu|cuda] [--json FILE]
     .venv/bin/python -m scripts.bench.streaming --pool RUN.json [RUN.json ...]
 
 On the tiny model (CPU): one ``transformers serve`` process (the reference), and one ZooKeeper,
@@ -39,9 +39,12 @@ Before the reps, each side takes ``--warmup`` seconds of bursts: ZooKeeper's JVM
 compiling its hot code for a minute or so under this load (a long-running ensemble has), and its
 compiler's thread would otherwise take a core's share from everything else.
 
-The worker runs greedy-only (``--greedy-only``), as the server decodes these requests: it builds
-its engine from the first request's settings, greedy for all. ``--sampling`` runs the worker's
-default engine instead, which also serves sampled jobs and pays for sampling at every step.
+Both engines run on ``--device`` (cpu by default; ``cuda`` on a GPU host, where the engines'
+work leaves the cores that ZooKeeper, the gateway and the client use, as the layouts below
+emulate on a CPU host). The worker runs greedy-only (``--greedy-only``), as the server decodes
+these requests: it builds its engine from the first request's settings, greedy for all.
+``--sampling`` runs the worker's default engine instead, which also serves sampled jobs and pays
+for sampling at every step.
 
 With ``--split-cores`` both engines run on the first core and ZooKeeper, the gateway and this
 client on the others: each engine has the same core to itself, as where the control plane runs
@@ -254,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of bursts sent to each side before the reps: ZooKeeper's JVM compiles "
         "its hot code for a minute or so under this load (a long-running ensemble has)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where both engines run: cpu, cuda or cuda:N (the worker's and the server's --device)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--pool",
@@ -273,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(pooled(args.pool)))
         return 0
     out: dict[str, Any] = {"args": vars(args), "direct": [], "zkq": []}
-    with tiny_model_served("zkq-bench-streaming-") as (tmp, server, cluster):
+    with tiny_model_served("zkq-bench-streaming-", args.device) as (tmp, server, cluster):
         model = str(tmp / "tiny")
         log = open(tmp / "zkq.log", "w")  # noqa: SIM115 (closed below)
         base = [*ZKQ_CLI, "--zk", cluster.hosts, "--root", BENCH_ROOT]
         worker_cmd = [*base, "worker", "--queue", QUEUE, "--model", model, "--no-janitor"]
-        worker_cmd += ["--max-concurrency", "16"]
+        worker_cmd += ["--max-concurrency", "16", "--device", args.device]
         if not args.sampling:
             worker_cmd.append("--greedy-only")
         if args.no_direct:
