@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.conftest import registered, wait_for
+from tests.conftest import Relay, registered, wait_for
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
-from zkqueue import AsyncClient, Client, JobTimeout, QueueFull
+from zkqueue import AsyncClient, Client, JobTimeout, QueueFull, ZkqConnectionError
 from zkqueue.protocol.result import CANCELLED
 
 T = TypeVar("T")
@@ -222,6 +222,28 @@ def test_close_does_not_wait_for_a_busy_pool(hosts: str, root: str) -> None:
         finally:
             gate.set()
             await busy
+
+    asyncio.run(main())
+
+
+def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, root: str) -> None:
+    """kazoo holds a create sent while ZooKeeper is away until it comes back: the submit waits
+    for that at most ``connect_timeout``, then fails with the job's id to look up (the create
+    may still happen when ZooKeeper returns; it is never sent twice)."""
+
+    async def main() -> None:
+        hosts = f"127.0.0.1:{relay.port}"
+        async with AsyncClient(hosts, root, session_timeout=4.0, connect_timeout=1.0) as aio:
+            await aio.submit("before", detach=True)  # the queue and its tail are known
+            relay.cut()
+            deadline = time.monotonic() + 15
+            while aio.zk.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not aio.zk.connected, "the client did not notice ZooKeeper going away"
+            with pytest.raises(ZkqConnectionError) as caught:
+                await asyncio.wait_for(aio.submit("while away", detach=True), 15)
+            job_id = caught.value.job_id
+            assert job_id is not None and f"zkq status {job_id}" in str(caught.value)
 
     asyncio.run(main())
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from typing import Any, Protocol
 
@@ -36,7 +37,12 @@ from kazoo.exceptions import (
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, QueueFull, ZkqConnectionError
-from zkqueue.plumbing.connection import TRANSIENT, ConnectionSettings, read_through_loss
+from zkqueue.plumbing.connection import (
+    RECONNECT_POLL,
+    TRANSIENT,
+    ConnectionSettings,
+    read_through_loss,
+)
 from zkqueue.protocol import arrival, claims, counts, revision
 from zkqueue.protocol.layout import TENANT_MARK, EntryName, Layout
 from zkqueue.protocol.nodes import read_tail
@@ -255,7 +261,7 @@ class Enqueuer:
     def _created(self, chunk: list[Prepared], call: Sent, ephemeral: bool) -> list[str | None]:
         checks, pending = call
         try:
-            outcome = pending.get()
+            outcome = self._reply(pending)
         except (ConnectionLoss, SessionExpiredError):
             return self._recover(chunk, ephemeral)
         errors = [r for r in outcome if isinstance(r, Exception)]
@@ -269,6 +275,28 @@ class Enqueuer:
         names = [_relative(str(path)) for path in outcome[checks:]]
         self._open_full(chunk, names)
         return [*names]
+
+    def _reply(self, pending: Any) -> Any:
+        """A multi's reply. kazoo holds a request sent while ZooKeeper is away until it comes
+        back: once it has been away ``connect_timeout`` meanwhile, ZkqConnectionError (the
+        create may still happen when it returns, so nothing is sent again: ``finish`` names
+        the job to look up). While connected, however slow, the reply is waited for."""
+        zk, timeout = self._zk(), self.settings.connect_timeout
+        away_since: float | None = None
+        while True:
+            try:
+                return pending.get(timeout=RECONNECT_POLL)
+            except zk.handler.timeout_exception:
+                if zk.connected:
+                    away_since = None
+                    continue
+                now = time.monotonic()
+                away_since = now if away_since is None else away_since
+                if now - away_since > timeout:
+                    raise ZkqConnectionError(
+                        f"ZooKeeper at {self.settings.hosts} went away while enqueuing and did "
+                        f"not come back within {timeout:g}s"
+                    ) from None
 
     def _open_full(self, chunk: list[Prepared], names: list[str]) -> None:
         """Count the entries this chunk made (``names``, one per entry) and open the next
