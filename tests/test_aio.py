@@ -215,8 +215,14 @@ def test_close_does_not_wait_for_a_busy_pool(hosts: str, root: str) -> None:
 
     async def main() -> None:
         aio = await AsyncClient(hosts, root, session_timeout=4.0, blocking_threads=1).start()
-        gate = threading.Event()
-        busy = asyncio.ensure_future(aio.blocking(gate.wait))
+        taken, gate = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            taken.set()
+            gate.wait()
+
+        busy = asyncio.ensure_future(aio.blocking(hold))
+        assert await asyncio.to_thread(taken.wait, 15), "the pool's thread was not taken"
         try:
             await asyncio.wait_for(aio.close(), 15)
         finally:
@@ -227,13 +233,13 @@ def test_close_does_not_wait_for_a_busy_pool(hosts: str, root: str) -> None:
 
 
 def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, root: str) -> None:
-    """kazoo holds a create sent while ZooKeeper is away until it comes back: the submit waits
-    for that at most ``connect_timeout``, then fails with the job's id to look up (the create
-    may still happen when ZooKeeper returns; it is never sent twice)."""
+    """kazoo would hold a create sent while ZooKeeper is away until it comes back, and send it
+    then: the submit sends none, waits for ZooKeeper at most ``connect_timeout``, and fails with
+    the job's id to look up. Back within the session, nothing of it arrives."""
 
     async def main() -> None:
         hosts = f"127.0.0.1:{relay.port}"
-        async with AsyncClient(hosts, root, session_timeout=4.0, connect_timeout=1.0) as aio:
+        async with AsyncClient(hosts, root, session_timeout=8.0, connect_timeout=1.0) as aio:
             await aio.submit("before", detach=True)  # the queue and its tail are known
             relay.cut()
             deadline = time.monotonic() + 15
@@ -244,6 +250,12 @@ def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, roo
                 await asyncio.wait_for(aio.submit("while away", detach=True), 15)
             job_id = caught.value.job_id
             assert job_id is not None and f"zkq status {job_id}" in str(caught.value)
+            relay.restore()
+            while not aio.zk.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            # A sync answered comes after anything this session had queued before it.
+            await aio.wait(aio.zk.sync_async("/"))
+            assert await aio.waiting("default") == 1  # "before" alone
 
     asyncio.run(main())
 

@@ -139,9 +139,11 @@ class AsyncClient(ClientBase):
                 # On a thread of its own, not the pool: every pool thread may be waiting on a
                 # call that only closing the session ends (kazoo holds a request sent while
                 # ZooKeeper is away until it comes back).
+                # Shielded: a caller that gives up on close() does not stop the session's close.
                 closer = ThreadPoolExecutor(1, thread_name_prefix="zkq-aio-close")
                 try:
-                    await asyncio.get_running_loop().run_in_executor(closer, close, zk)
+                    loop = asyncio.get_running_loop()
+                    await asyncio.shield(loop.run_in_executor(closer, close, zk))
                 finally:
                     closer.shutdown(wait=False)  # the loop never waits on a thread
         finally:

@@ -34,6 +34,7 @@ from kazoo.exceptions import (
     RolledBackError,
     SessionExpiredError,
 )
+from kazoo.handlers.threading import KazooTimeoutError
 
 from zkqueue import defaults
 from zkqueue.errors import ConfigurationError, QueueFull, ZkqConnectionError
@@ -41,6 +42,7 @@ from zkqueue.plumbing.connection import (
     RECONNECT_POLL,
     TRANSIENT,
     ConnectionSettings,
+    await_connected,
     read_through_loss,
 )
 from zkqueue.protocol import arrival, claims, counts, revision
@@ -155,6 +157,10 @@ class Enqueuer:
         tails: dict[tuple[str, str], tuple[int, int]] | None = None,
     ) -> Sent:
         if tails is None:
+            # Not sent while ZooKeeper is away (kazoo would hold it until it comes back, and
+            # send it then, whatever became of the caller): wait for it, within connect_timeout.
+            zk, settings = self._zk(), self.settings
+            await_connected(zk, settings, time.monotonic() + settings.connect_timeout, "enqueuing")
             tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
         order = sorted(tails)
         checks = [(self.layout.pending(q, p), tails[q, p][1]) for q, p in order]
@@ -277,16 +283,17 @@ class Enqueuer:
         return [*names]
 
     def _reply(self, pending: Any) -> Any:
-        """A multi's reply. kazoo holds a request sent while ZooKeeper is away until it comes
-        back: once it has been away ``connect_timeout`` meanwhile, ZkqConnectionError (the
-        create may still happen when it returns, so nothing is sent again: ``finish`` names
-        the job to look up). While connected, however slow, the reply is waited for."""
-        zk, timeout = self._zk(), self.settings.connect_timeout
+        """A multi's reply. A multi is sent only while connected (``_send``), but the
+        connection may go between: kazoo then holds it until ZooKeeper comes back. Once it has
+        been away ``connect_timeout`` meanwhile, ZkqConnectionError: the create may still
+        happen if this client reconnects within its session, so nothing is sent again
+        (``finish`` names the job to look up). While connected, however slow, it waits."""
         away_since: float | None = None
         while True:
             try:
                 return pending.get(timeout=RECONNECT_POLL)
-            except zk.handler.timeout_exception:
+            except KazooTimeoutError:  # the threading handler's (zkq's handler is one)
+                zk, timeout = self._zk(), self.settings.connect_timeout
                 if zk.connected:
                     away_since = None
                     continue
@@ -352,6 +359,8 @@ class Enqueuer:
         waits for a thread, as in ``create``, which sends to the tail it knows without that
         check. So a burst of submits overfills a bucket by no more than the client's threads."""
         lane = (one[1], one[2])
+        if not self._zk().connected:  # a thread waits for ZooKeeper first (``_send``)
+            return None
         with self._lock:
             tail = self._tails.get(lane)
             if tail is None:
