@@ -193,7 +193,7 @@ def test_a_closed_client_refuses_work_and_keeps_no_threads(hosts: str, root: str
         aio = await AsyncClient(hosts, root, session_timeout=4.0).start()
         await aio.submit("x", detach=True)
         closing = asyncio.ensure_future(aio.close())
-        await asyncio.sleep(0)  # close() is under way (its session close on a pool thread)
+        await asyncio.sleep(0)  # close() is under way (its session close on a thread of its own)
         closing.cancel()  # ... and its caller gives up: the pool still goes
         with contextlib.suppress(asyncio.CancelledError):
             await closing
