@@ -25,6 +25,7 @@ from workers.options import WorkerOptions
 from workers.runners.base import Runner
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
+from zkqueue.plumbing.connection import ConnectionSettings
 from zkqueue.protocol.layout import Layout
 from zkqueue.testing import ZkCluster
 
@@ -127,11 +128,12 @@ def client(hosts: str, root: str) -> Iterator[Client]:
 
 @pytest.fixture
 def new_zk(hosts: str) -> Iterator[Callable[..., KazooClient]]:
-    """Open extra sessions (each is what one process would have); all closed at teardown."""
+    """Open extra sessions (each is what one process would have, with the client zkq's
+    processes make); all closed at teardown."""
     opened: list[KazooClient] = []
 
     def make(timeout: float = 4.0) -> KazooClient:
-        zk = KazooClient(hosts=hosts, timeout=timeout)
+        zk = ConnectionSettings(hosts=hosts, session_timeout=timeout).make_client()
         zk.start(timeout=10)
         opened.append(zk)
         return zk

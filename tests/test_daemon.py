@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from kazoo.client import KazooClient
 
 from tests.conftest import Relay, WorkerThread, running_on, wait_for
 from workers.loop import GOODBYE_TIMEOUT, Worker
@@ -16,6 +15,7 @@ from workers.options import WorkerOptions
 from workers.runners.echo import EchoRunner
 from workers.systemd import Notifier
 from zkqueue import Client
+from zkqueue.plumbing.connection import ConnectionSettings
 
 pytestmark = pytest.mark.slow
 
@@ -103,10 +103,11 @@ def test_a_worker_says_what_it_does_at_the_default_level(zkq, client: Client) ->
 
 
 def test_a_worker_stopped_while_zookeeper_is_away_still_stops(relay: Relay, root: str) -> None:
-    """kazoo queues a request sent while it is disconnected until ZooKeeper comes back: a worker
-    stopped then sends none to leave the line or unregister (its nodes are ephemeral, and go
-    with its session), and waits for ZooKeeper at most GOODBYE_TIMEOUT when connected."""
-    zk = KazooClient(hosts=f"127.0.0.1:{relay.port}", timeout=4.0)
+    """kazoo holds a request made while it is disconnected until ZooKeeper comes back: zkq's
+    client fails it at once instead (the loop, whatever call it was in, gets to the stop), and
+    a worker stopped then sends nothing to leave the line or unregister (its nodes are
+    ephemeral, and go with its session); connected, it waits at most GOODBYE_TIMEOUT."""
+    zk = ConnectionSettings(hosts=f"127.0.0.1:{relay.port}", session_timeout=4.0).make_client()
     zk.start(timeout=10)
     try:
         opts = WorkerOptions(root=root, heartbeat_interval=0.5)

@@ -53,7 +53,11 @@ GOODBYE_TIMEOUT = 5.0
 
 
 class Worker:
-    """One worker process's loop on one queue; ``options`` is its configuration."""
+    """One worker process's loop on one queue; ``options`` is its configuration.
+
+    ``zk`` is a started client of zkq's (``connect``, ``ConnectionSettings.make_client``): a
+    plain KazooClient holds a request made while ZooKeeper is away until it comes back, and
+    the loop with it, deaf to stop."""
 
     def __init__(
         self,
@@ -530,15 +534,11 @@ class Worker:
 
     def _leave_line(self) -> None:
         self.head.drop_watches_soon()  # a draining worker is no longer head
-        # Disconnected, a delete would wait for ZooKeeper to come back (kazoo queues it).
-        if self.zk.connected:
-            try:
-                self.line.leave()
-                self.preemption.leave()
-                return
-            except TRANSIENT:
-                self.liveness.unsure = True
-        else:
+        try:
+            self.line.leave()
+            self.preemption.leave()
+            return
+        except TRANSIENT:  # at once while ZooKeeper is away (zkq's client waits for nothing)
             self.liveness.trouble()  # claim nothing until the connection is back
         # Forgotten, though the session may live on: the node may still be there (a running
         # loop's next sweep removes it; a stopping worker's session takes it).
@@ -549,9 +549,9 @@ class Worker:
         self.state = State.STOPPED
         self.zk.remove_listener(self._on_state)
         self.bridge.cancel_all(CancelReason.RELEASED)
-        # kazoo's calls have no timeout, and one sent while disconnected waits for ZooKeeper to
-        # come back: none is sent then, and the goodbye runs on a thread waited for at most
-        # GOODBYE_TIMEOUT (the connection may go meanwhile, or ZooKeeper not answer). Either
+        # kazoo's calls have no timeout: a ZooKeeper that is connected but does not answer
+        # would hold the goodbye, so it runs on a thread waited for at most GOODBYE_TIMEOUT
+        # (disconnected, it is not tried: zkq's client fails every request at once). Either
         # way the worker stops; its nodes are ephemeral and go with its session.
         if not self.zk.connected:
             log.warning(

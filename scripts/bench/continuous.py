@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kazoo.client import KazooClient
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from workers.admission import Admission
@@ -48,6 +47,7 @@ from workers.options import WorkerOptions
 from workers.runners.hf import HFRunner
 from workers.tinymodel import write_tiny_model
 from zkqueue import Client
+from zkqueue.plumbing.connection import ConnectionSettings
 from zkqueue.testing import ZkCluster
 
 PAGES, PAGE_TOKENS, BATCH_TOKENS = 512, 32, 256
@@ -124,7 +124,7 @@ class Stage:
         admission = Admission(
             pages, PAGE_TOKENS, count_tokens=runner.count_tokens, validate=runner.validate
         )
-        zk = KazooClient(hosts=self.cluster.hosts, timeout=10)
+        zk = ConnectionSettings(hosts=self.cluster.hosts, session_timeout=10).make_client()
         zk.start(10)
         worker = Worker(
             zk, runner, WorkerOptions(root=root, max_concurrency=slots), admission=admission

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from scripts.bench import wire
 from scripts.bench.agents import agent_main
 from zkqueue import Client
+from zkqueue.plumbing.connection import FailFastClient
 from zkqueue.plumbing.handler import PollingHandler
 from zkqueue.testing import ZkCluster
 
@@ -159,7 +159,7 @@ class Bench:
         self.hosts = self.cluster.hosts
         wire.install()
         # The harness's own client is a zkq client (the latency suite's caller): zkq's handler.
-        self.zk = KazooClient(hosts=self.hosts, timeout=10.0, handler=PollingHandler())
+        self.zk = FailFastClient(hosts=self.hosts, timeout=10.0, handler=PollingHandler())
         self.zk.start(timeout=30)
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(["scripts.bench.agents"])

@@ -43,13 +43,12 @@ BENCH_ROOT = "/bench-gateway"
 
 def run_worker(hosts: str, queue: str, delay: float, slots: int) -> None:
     """The worker process (``--as-worker``): an echo worker until SIGTERM."""
-    from kazoo.client import KazooClient
-
     from workers.loop import Worker
     from workers.options import WorkerOptions
     from workers.runners.echo import EchoRunner
+    from zkqueue.plumbing.connection import ConnectionSettings
 
-    zk = KazooClient(hosts=hosts, timeout=10)
+    zk = ConnectionSettings(hosts=hosts, session_timeout=10).make_client()
     zk.start(10)
     opts = WorkerOptions(root=BENCH_ROOT, queue=queue, max_concurrency=slots)
     worker = Worker(zk, EchoRunner(delay=delay), opts)

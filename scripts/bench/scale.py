@@ -36,6 +36,7 @@ from workers.runners.echo import EchoRunner
 from zkqueue import Client
 from zkqueue.operations.expiry import ExpiryLimits
 from zkqueue.operations.janitor import Janitor, JanitorService
+from zkqueue.plumbing.connection import ConnectionSettings
 from zkqueue.protocol import claims
 from zkqueue.protocol.layout import RESULT_BUCKETS, Layout
 from zkqueue.protocol.nodes import Ticks
@@ -70,7 +71,8 @@ class _Fleet:
     """In-process workers, each with its own session and thread."""
 
     def __init__(self, hosts: str, root: str, n: int, slots: int, **opts: Any) -> None:
-        self.zks = [KazooClient(hosts=hosts, timeout=10.0) for _ in range(n)]
+        settings = ConnectionSettings(hosts=hosts, session_timeout=10.0)
+        self.zks = [settings.make_client() for _ in range(n)]
         self.workers = []
         for i, zk in enumerate(self.zks):
             zk.start(timeout=30)

@@ -28,6 +28,7 @@ from kazoo.exceptions import ConnectionLoss, NoNodeError, OperationTimeoutError,
 
 from scripts.chaos.audit import QUEUE, Audit, ChaosReport, audit
 from zkqueue.errors import ZkqError
+from zkqueue.plumbing.connection import read_through_loss
 from zkqueue.producer.client import Client
 from zkqueue.protocol import result as results
 from zkqueue.protocol.layout import RESULT_BUCKETS, Layout, child
@@ -257,7 +258,15 @@ class Stage:
         self.workers.append(worker)
         return worker
 
+    def _read(self, read: Callable[[], T], doing: str) -> T:
+        """The stage's own reads ride through the outages it injects (zkq's client fails a
+        request at once while disconnected): retried once reconnected, within connect_timeout."""
+        return read_through_loss(self.zk, self.client.settings, read, doing)
+
     def registered(self) -> set[str]:
+        return self._read(self._registered, "listing workers")
+
+    def _registered(self) -> set[str]:
         try:
             return set(self.zk.get_children(self.layout.workers()))
         except NoNodeError:
@@ -276,6 +285,9 @@ class Stage:
     # -- reading the queue -----------------------------------------------------------------
 
     def result_ids(self) -> set[str]:
+        return self._read(self._result_ids, "listing results")
+
+    def _result_ids(self) -> set[str]:
         calls = [
             self.zk.get_children_async(self.layout.result_dir(QUEUE, b)) for b in RESULT_BUCKETS
         ]
@@ -283,6 +295,9 @@ class Stage:
 
     def claims_by_worker(self) -> dict[str, set[str]]:
         """Job ids currently claimed, per worker name (from the claim nodes' data)."""
+        return self._read(self._claims_by_worker, "listing claims")
+
+    def _claims_by_worker(self) -> dict[str, set[str]]:
         path = self.layout.claims(QUEUE)
         calls = [(n, self.zk.get_async(child(path, n))) for n in self.zk.get_children(path)]
         out: dict[str, set[str]] = {}

@@ -25,6 +25,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry
 from kazoo.security import make_digest_acl
 
@@ -54,6 +55,23 @@ class _RedactAuth(logging.Filter):
 
 for _name in ("kazoo.client", "kazoo.protocol.connection"):
     logging.getLogger(_name).addFilter(_RedactAuth())
+
+
+class FailFastClient(KazooClient):
+    """kazoo's client, except that a request made while the connection is away fails at once
+    with ConnectionLoss.
+
+    kazoo holds such a request until it reconnects, however long that takes, so a thread that
+    made it (a worker's loop asked to stop, a producer's pool thread) hangs while ZooKeeper is
+    away. zkq treats ConnectionLoss everywhere as "wait for the connection and try again"
+    (``TRANSIENT``), with its own bounds; requests already sent or queued when a connection
+    drops fail with ConnectionLoss in kazoo too, so this is the one case it left unbounded."""
+
+    def _call(self, request: Any, async_object: Any) -> Any:
+        if self.client_state == KeeperState.CONNECTING:
+            async_object.set_exception(ConnectionLoss("not connected to ZooKeeper"))
+            return False
+        return super()._call(request, async_object)
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,7 @@ class ConnectionSettings:
     def make_client(self) -> KazooClient:
         # Retry forever on connection loss: zkq decides itself when to give up (timeouts, drains).
         retry = {"max_tries": -1, "delay": 0.1, "max_delay": 1.0, "backoff": 2}
-        return KazooClient(
+        return FailFastClient(
             hosts=self.hosts,
             timeout=self.session_timeout,
             connection_retry=KazooRetry(**retry),
@@ -186,8 +204,8 @@ def read_through_loss(
     """Run ``read`` (reads, or writes that are idempotent) once kazoo is connected, and if the
     connection goes away meanwhile (lost, or the session expired while ZooKeeper was down) wait
     for kazoo to reconnect and run it again, all within ``connect_timeout``; past it,
-    ZkqConnectionError. The wait comes first: a request sent while kazoo is disconnected is
-    queued until it reconnects, with no bound of its own."""
+    ZkqConnectionError. The wait comes first: a request made while kazoo is disconnected
+    fails at once (``FailFastClient``)."""
     deadline = time.monotonic() + settings.connect_timeout
     while True:
         await_connected(zk, settings, deadline, doing)

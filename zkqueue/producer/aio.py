@@ -137,8 +137,8 @@ class AsyncClient(ClientBase):
             if self._zk is not None and self._owns_zk:
                 zk, self._zk = self._zk, None
                 # On a thread of its own, not the pool: every pool thread may be waiting on a
-                # call that only closing the session ends (kazoo holds a request sent while
-                # ZooKeeper is away until it comes back).
+                # call that only closing the session ends (the reply of a ZooKeeper that is
+                # connected but does not answer).
                 # Shielded: a caller that gives up on close() does not stop the session's close.
                 closer = ThreadPoolExecutor(1, thread_name_prefix="zkq-aio-close")
                 try:

@@ -157,8 +157,8 @@ class Enqueuer:
         tails: dict[tuple[str, str], tuple[int, int]] | None = None,
     ) -> Sent:
         if tails is None:
-            # Not sent while ZooKeeper is away (kazoo would hold it until it comes back, and
-            # send it then, whatever became of the caller): wait for it, within connect_timeout.
+            # Not sent while ZooKeeper is away (zkq's client would fail it at once): wait for
+            # it, within connect_timeout.
             zk, settings = self._zk(), self.settings
             await_connected(zk, settings, time.monotonic() + settings.connect_timeout, "enqueuing")
             tails = {(q, p): self.tail(q, p) for _, q, p, _ in chunk}  # one read of each tail
@@ -284,7 +284,8 @@ class Enqueuer:
 
     def _reply(self, pending: Any) -> Any:
         """A multi's reply. A multi is sent only while connected (``_send``), but the
-        connection may go between: kazoo then holds it until ZooKeeper comes back. Once it has
+        connection may go in the instant between zkq's client's check and kazoo's queueing
+        of it: kazoo then holds it until ZooKeeper comes back. Once it has
         been away ``connect_timeout`` meanwhile, ZkqConnectionError: the create may still
         happen if this client reconnects within its session, so nothing is sent again
         (``finish`` names the job to look up). While connected, however slow, it waits."""
