@@ -16,6 +16,7 @@ from tests.conftest import Relay, registered, wait_for
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import AsyncClient, Client, JobTimeout, QueueFull, ZkqConnectionError
+from zkqueue.protocol import counts
 from zkqueue.protocol.result import CANCELLED
 
 T = TypeVar("T")
@@ -233,9 +234,9 @@ def test_close_does_not_wait_for_a_busy_pool(hosts: str, root: str) -> None:
 
 
 def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, root: str) -> None:
-    """kazoo would hold a create sent while ZooKeeper is away until it comes back, and send it
-    then: the submit sends none, waits for ZooKeeper at most ``connect_timeout``, and fails with
-    the job's id to look up. Back within the session, nothing of it arrives."""
+    """A submit while ZooKeeper is away sends nothing, waits for it at most
+    ``connect_timeout``, and fails with the job's id to look up. Back within the session,
+    nothing of it arrives."""
 
     async def main() -> None:
         hosts = f"127.0.0.1:{relay.port}"
@@ -256,6 +257,35 @@ def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, roo
             # A sync answered comes after anything this session had queued before it.
             await aio.wait(aio.zk.sync_async("/"))
             assert await aio.waiting("default") == 1  # "before" alone
+
+    asyncio.run(main())
+
+
+def test_a_request_abandoned_while_zookeeper_is_away_is_withdrawn_once_it_is_back(
+    relay: Relay, root: str, client: Client
+) -> None:
+    """The session outlives a short outage, and the attached entry with it: the withdrawal
+    made meanwhile is sent when ZooKeeper is back, so no worker runs the job for nobody."""
+
+    async def main() -> None:
+        hosts = f"127.0.0.1:{relay.port}"
+        async with AsyncClient(hosts, root, session_timeout=10.0) as aio:
+            job = await aio.submit("nobody waits for me")  # attached; no worker runs it
+            assert counts.waiting(client.zk, client.layout, "default") == 1
+            relay.cut()
+            deadline = time.monotonic() + 15
+            while aio.zk.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not aio.zk.connected, "the client did not notice ZooKeeper going away"
+            job.abandon()
+            relay.restore()
+            while not aio.zk.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await aio.wait(aio.zk.sync_async("/"))
+            wait_for(
+                lambda: counts.waiting(client.zk, client.layout, "default") == 0,
+                message="the entry withdrawn",
+            )
 
     asyncio.run(main())
 

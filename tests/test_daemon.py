@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss
 
 from tests.conftest import Relay, WorkerThread, running_on, wait_for
 from workers.loop import GOODBYE_TIMEOUT, Worker
@@ -122,3 +124,33 @@ def test_a_worker_stopped_while_zookeeper_is_away_still_stops(relay: Relay, root
     finally:
         zk.stop()
         zk.close()
+
+
+def test_a_worker_registers_again_though_its_first_try_after_a_lost_session_fails(
+    start_worker, client: Client, hosts: str
+) -> None:
+    """The session expires; the first register under the new one fails (the connection went
+    again before it was sent). An idle worker's record never changes, so no rewrite would
+    bring it back: the loop keeps the register due until it succeeds."""
+    handle = start_worker()
+    worker = handle.worker
+    real = worker.registry.register
+    failed: list[float] = []
+
+    def register_failing_once(wait: float = 0.0) -> None:
+        if not failed:
+            failed.append(wait)
+            raise ConnectionLoss("the connection went again")
+        real(wait)
+
+    worker.registry.register = register_failing_once  # type: ignore[method-assign]
+    # Expire the worker's session from outside (what a long partition does).
+    ghost = KazooClient(hosts=hosts, client_id=worker.zk.client_id)
+    ghost.start(timeout=10)
+    ghost.stop()
+    ghost.close()
+    wait_for(lambda: failed, timeout=20, message="a register under the new session")
+    wait_for(
+        lambda: worker.id in {r["id"] for r in client.workers()},
+        message="the worker registered again",
+    )

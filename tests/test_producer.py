@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 from kazoo.exceptions import ConnectionLoss, SessionExpiredError
 
+from tests.conftest import Relay, wait_for
 from zkqueue import Client, InvalidJob, SpecTooLarge, ZkqConnectionError
 from zkqueue.errors import JobNotFound
 from zkqueue.producer import bulk
@@ -205,6 +207,46 @@ def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:
     assert len(ids) == 3  # batch.1, the generated one, batch.2
     with pytest.raises(InvalidJob, match="reserved for the ids zkq generates"):
         client.submit_many([{"prompt": "x", "job_id": "_mine"}])
+
+
+def test_waiting_on_a_batch_rides_through_zookeeper_going_away(
+    relay: Relay, root: str, start_worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds made while ZooKeeper is away know of no job that ended; the wait goes on, and
+    every line gets its result once ZooKeeper is back."""
+    rounds: list[bool] = []
+    real = bulk._ended
+
+    def counted(*args: Any) -> Any:
+        rounds.append(producer.zk.connected)
+        return real(*args)
+
+    monkeypatch.setattr(bulk, "_ended", counted)
+    with Client(f"127.0.0.1:{relay.port}", root, session_timeout=10.0) as producer:
+        lines = bulk.read_lines([b'{"prompt": "a"}', b'{"prompt": "b"}'], limit=65536)
+        bulk.submit_lines(
+            producer, lines, priority="normal", queue="default", max_new_tokens=None, detach=True
+        )
+        relay.cut()
+        wait_for(lambda: not producer.zk.connected, message="the producer to notice")
+        records: list[dict[str, Any]] = []
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                records.extend(bulk.results(lines, timeout=60))
+            except BaseException as exc:
+                failed.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        wait_for(lambda: False in rounds or failed, message="a round while ZooKeeper is away")
+        relay.restore()
+        start_worker()
+        waiter.join(30)
+        assert not failed and not waiter.is_alive()
+        statuses = sorted((r["line"], r["status"]) for r in records)
+        assert statuses == [(1, "succeeded"), (2, "succeeded")]
 
 
 def test_waiting_on_a_batch_ends_for_an_entry_gone_without_a_result(client: Client) -> None:

@@ -16,7 +16,6 @@ class Event(enum.StrEnum):
     DONE = "done"  # the runner reported a job's outcome
     STATE = "state"  # the session's state changed
     STOP = "stop"  # stop() was called (a signal)
-    REJOIN = "rejoin"  # a new session after a lost one: register again
     WAKE = "wake"  # look again (after a lost race or a reconnect)
     BUSY = "busy"  # our predecessor in a busy line left, or a line ahead of it changed
     URGENT = "urgent"  # a pending priority above our busy line's floor changed

@@ -169,6 +169,8 @@ class Worker:
             self.gate.on_change = lambda: self._post(Event.WAKE)
         self._drain_deadline: float | None = None
         self._release_deadline: float | None = None
+        #: The session was lost: register again once connected (``_register_again``).
+        self._rejoin = False
         self._queue_empty = False
 
     @property
@@ -230,6 +232,7 @@ class Worker:
         # again): trouble there must suspend the loop like trouble in dispatch, never end it.
         # What failed is retried after the reconnect (completions stay queued).
         try:
+            self._register_again()
             self._complete()
             self._dispatch()
             self._wait_events()
@@ -241,6 +244,14 @@ class Worker:
             self.liveness.trouble()
         self._periodic()
         return not self._should_exit()
+
+    def _register_again(self) -> None:
+        """After a lost session, register under the new one. Until that succeeds it stays
+        due (the connection may go again before it is sent: it is tried at the next step once
+        connected, and no record change is needed to bring it back)."""
+        if self._rejoin and self.zk.connected:
+            self.registry.register(wait=self.registry.session_lifetime())
+            self._rejoin = False
 
     def _correct(self, claim: Claim, figures: dict[str, Any]) -> None:
         """Count what a job of a queue with tenants really cost against its estimate."""
@@ -308,8 +319,6 @@ class Worker:
             self._state_changed(event[1])
         elif kind == Event.STOP:
             self._begin_stop(event[1])
-        elif kind == Event.REJOIN:
-            self.registry.register(wait=self.registry.session_lifetime())
         elif kind == Event.BUSY:
             self.preemption.line_changed()
         elif kind == Event.URGENT:
@@ -487,7 +496,7 @@ class Worker:
 
     def _state_changed(self, state: KazooState) -> None:
         if self.liveness.state_changed(state, self._session_lost):
-            self._post(Event.REJOIN)
+            self._rejoin = True
         if state == KazooState.CONNECTED:
             self.view.invalidate()
             self.line.invalidate()

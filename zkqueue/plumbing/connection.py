@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.protocol.states import KeeperState
+from kazoo.protocol.states import KazooState, KeeperState
 from kazoo.retry import KazooRetry
 from kazoo.security import make_digest_acl
 
@@ -196,6 +197,45 @@ def await_connected(
                 f"within {settings.connect_timeout:g}s"
             )
         time.sleep(RECONNECT_POLL)
+
+
+def send_when_connected(zk: KazooClient, send: Callable[[], Any]) -> None:
+    """Send a request nobody waits for (``send`` makes it, asynchronously) now, or, if the
+    connection is away, once it is back: what kazoo itself does with a request made while it
+    is disconnected, which zkq's client fails at once. For writes that may be sent twice (a
+    delete whose node may be gone); it tries again after every reconnect until one is not
+    lost with the connection, and stops with the client."""
+    lock = threading.Lock()
+    waiting = False  # for a reconnect, with on_state among the listeners
+
+    def attempt() -> None:
+        send().rawlink(check)
+
+    def check(call: Any) -> None:
+        nonlocal waiting
+        if not isinstance(call.exception, TRANSIENT):
+            return
+        with lock:
+            if waiting:
+                return
+            waiting = True
+        zk.add_listener(on_state)
+        if zk.connected:  # back before the listener was in place: it may not be told
+            on_state(KazooState.CONNECTED)
+
+    def on_state(state: KazooState) -> bool:
+        nonlocal waiting
+        if state != KazooState.CONNECTED:
+            return False
+        with lock:
+            if not waiting:
+                return False
+            waiting = False
+        zk.remove_listener(on_state)
+        attempt()
+        return False  # removed already
+
+    attempt()
 
 
 def read_through_loss(

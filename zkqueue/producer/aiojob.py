@@ -28,7 +28,7 @@ from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import EventType, WatchedEvent
 
 from zkqueue.errors import CorruptRecord, JobWithdrawn, ZkqConnectionError
-from zkqueue.plumbing.connection import TRANSIENT, mapped_errors
+from zkqueue.plumbing.connection import TRANSIENT, mapped_errors, send_when_connected
 from zkqueue.plumbing.watches import remove_data_watch
 from zkqueue.producer.direct import AsyncTap, StreamReading
 from zkqueue.protocol import claims
@@ -298,14 +298,17 @@ class AsyncJob(JobPaths):
 
     def abandon(self) -> None:
         """Withdraw the submitter's attached, unfinished request without waiting: the delete
-        is sent at once (safe in ``finally`` and on cancellation). Other handles: no-op."""
+        is sent at once, or when ZooKeeper is back if it is away (the session, and the entry
+        with it, may outlive the outage) (safe in ``finally`` and on cancellation). Other
+        handles: no-op."""
         if self.record is None:
             with contextlib.suppress(ZkqConnectionError):  # a closed client: its session is gone
                 self._drop_watches(self._watch)
         if self.owned and not self.detach and self.record is None and self.entry_path:
             # A closed client's session took its attached entries with it.
             with contextlib.suppress(ZkqConnectionError):
-                self.client.zk.delete_async(self.entry_path)
+                zk, path = self.client.zk, self.entry_path
+                send_when_connected(zk, lambda: zk.delete_async(path))
 
     async def withdraw(self) -> None:
         """Delete the entry without a result: the caller no longer wants the answer."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zkqueue.errors import InvalidJob, JobTimeout, JobWithdrawn
+from zkqueue.plumbing.connection import TRANSIENT
 from zkqueue.producer.client import Client
 from zkqueue.producer.job import Job
 from zkqueue.protocol.spec import parse_submission
@@ -130,7 +131,8 @@ def _ended(
 ) -> list[tuple[str, str]]:
     """The waiting jobs that ended: their result exists, or their entry went without one (a
     withdrawn request, say of an earlier run whose job this line's id named). The entry is
-    read before the result: a completion removes the one and writes the other at once."""
+    read before the result: a completion removes the one and writes the other at once. While
+    ZooKeeper is away nothing is known to have ended (the next round looks again)."""
     calls = []
     for key, group in waiting.items():
         job = group[0].job
@@ -138,11 +140,14 @@ def _ended(
         zk, entry = job.client.zk, job.entry_path
         gone = zk.exists_async(entry) if entry else None
         calls.append((key, gone, zk.exists_async(job.result_path, watch=notify)))
-    return [
-        key
-        for key, gone, result in calls
-        if result.get() is not None or (gone is not None and gone.get() is None)
-    ]
+    ended = []
+    for key, gone, result in calls:
+        try:
+            if result.get() is not None or (gone is not None and gone.get() is None):
+                ended.append(key)
+        except TRANSIENT:
+            pass
+    return ended
 
 
 def _record(line: Line, timeout: float) -> dict[str, Any]:
