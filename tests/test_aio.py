@@ -261,6 +261,28 @@ def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, roo
     asyncio.run(main())
 
 
+def test_a_submit_rides_through_a_short_outage(relay: Relay, root: str, client: Client) -> None:
+    """Within ``connect_timeout`` a submit made while ZooKeeper is away (its queue not yet
+    set up by this client: reads first) waits for it and goes through once it is back."""
+
+    async def main() -> None:
+        hosts = f"127.0.0.1:{relay.port}"
+        async with AsyncClient(hosts, root, session_timeout=10.0, connect_timeout=20.0) as aio:
+            relay.cut()
+            deadline = time.monotonic() + 15
+            while aio.zk.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not aio.zk.connected, "the client did not notice ZooKeeper going away"
+            submit = asyncio.ensure_future(aio.submit("during the outage", detach=True))
+            await asyncio.sleep(0.3)
+            assert not submit.done(), "the submit did not wait for ZooKeeper"
+            relay.restore()
+            job = await asyncio.wait_for(submit, 15)
+            assert counts.find(client.zk, client.layout, "default", "normal", job.id)
+
+    asyncio.run(main())
+
+
 def test_a_request_abandoned_while_zookeeper_is_away_is_withdrawn_once_it_is_back(
     relay: Relay, root: str, client: Client
 ) -> None:

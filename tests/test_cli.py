@@ -7,9 +7,12 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.conftest import ZKQ, wait_for
+import pytest
+
+from tests.conftest import ZKQ, Relay, wait_for
 from zkqueue import Client
-from zkqueue.errors import ExitCode
+from zkqueue.cli import batch
+from zkqueue.errors import ExitCode, ZkqConnectionError
 from zkqueue.protocol.spec import JobSpec
 
 
@@ -228,3 +231,17 @@ def test_help_lists_connection_options_once_each() -> None:
     for flag in ("--zk", "--root", "--session-timeout", "--connect-timeout", "--auth", "--tls-ca"):
         assert flags.count(flag) == 1, flag
     assert "ZKQ_ZK" in stats.stdout
+
+
+def test_the_warning_after_a_submit_never_fails_it(relay: Relay, root: str, capsys) -> None:
+    """ZooKeeper gone right after the submit: the "no worker" check that follows (a warning)
+    is skipped, so the job's id is still printed; before a submit (--require-worker) the same
+    check fails, naming the outage."""
+    with Client(f"127.0.0.1:{relay.port}", root, connect_timeout=1.0) as client:
+        client.submit("in", detach=True)
+        relay.cut()
+        wait_for(lambda: not client.zk.connected, message="the client to notice")
+        batch.check_served(client, ["default"], require=False)
+        assert "warning" not in capsys.readouterr().err
+        with pytest.raises(ZkqConnectionError, match="did not come back within 1s"):
+            batch.check_served(client, ["default"], require=True)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
+
+from kazoo.exceptions import ConnectionLoss
 
 from tests.conftest import result_ids, wait_for
 from tests.runners import GateRunner
@@ -170,3 +173,31 @@ def test_every_give_back_moves_the_give_back_signal(client: Client, new_zk) -> N
     [first] = claim(0)
     done = Result(id=first.id, queue="default", priority="normal", status="succeeded")
     assert claims.complete(first, done, None) and signal() == before + 6
+
+
+def test_a_completion_whose_accounting_loses_the_connection_counts_once(
+    client: Client, start_worker
+) -> None:
+    """The completion's multi committed; a read made after it, for the fair share's
+    correction, fails with the connection. The job is complete and counted once, and the
+    worker goes on taking jobs."""
+    handle = start_worker()
+    completer = handle.worker.completer
+    real = completer.corrections
+    calls: list[str] = []
+
+    def failing_once(claim: Any, figures: dict[str, Any]) -> None:
+        calls.append(claim.id)
+        if len(calls) == 1:
+            raise ConnectionLoss("the connection went while reading the queue's weights")
+        if real is not None:
+            real(claim, figures)
+
+    completer.corrections = failing_once
+    first = client.submit("first")
+    assert first.result(timeout=10).ok
+    second = client.submit("second")
+    assert second.result(timeout=10).ok
+    assert calls == [first.id, second.id]
+    wait_for(lambda: completer.stats.completed == 2, message="two completions counted")
+    assert not completer.queued

@@ -187,6 +187,32 @@ def test_a_recovered_multi_that_filled_its_bucket_opens_the_next(
     assert sorted(_all_entries(client)) == sorted([*(j.entry for j in batch), after.entry])
 
 
+def test_a_submit_that_filled_its_bucket_succeeds_though_opening_the_next_fails(
+    client: Client, monkeypatch
+) -> None:
+    """The jobs are enqueued when the connection goes while the next bucket is opened: the
+    submit says so, and the next entry, past the full bucket, opens it."""
+    client._enqueue = Enqueuer(client, bucket_size=3)
+    client.ensure_queue("default")
+    real = claims.open_bucket
+    opens: list[int] = []
+
+    def failing_once(*args: Any) -> bool:
+        opens.append(args[4])
+        if len(opens) == 1:
+            raise ConnectionLoss("the connection went while opening the next bucket")
+        return real(*args)
+
+    monkeypatch.setattr(claims, "open_bucket", failing_once)
+    batch = client.submit_many(["a", "b", "c"])
+    assert [j.entry.split("/")[0] for j in batch if j.entry] == ["0000000000"] * 3
+    past = client.submit("d", detach=True)
+    assert past.entry is not None and past.entry.split("/")[0] == "0000000000"
+    assert opens == [0, 0]  # tried again by the entry past the full bucket
+    after = client.submit("e", detach=True)
+    assert after.entry is not None and after.entry.split("/")[0] == "0000000001"
+
+
 def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:
     """Lines that carry a job_id are looked up first: one already pending (or finished) is
     not enqueued again, nor one given twice in the batch, so a batch cut short by an error

@@ -9,6 +9,7 @@ is retried after the reconnect.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from workers.admission import Admission
 from workers.metrics import WorkerMetrics
 from workers.runners.base import CancelReason, Outcome, RunningJob
 from zkqueue.dispatch.line import Line
+from zkqueue.plumbing.connection import TRANSIENT
 from zkqueue.plumbing.logs import job_context
 from zkqueue.protocol.claims import Claim, Claims
 from zkqueue.protocol.layout import is_generated_id
@@ -104,8 +106,6 @@ class Completer:
                 continue
             group = self._next_group()
             self._complete(group, rejoin and len(group) == len(self.queued))
-            for _ in group:
-                self.queued.popleft()
 
     def _next_group(self) -> list[tuple[RunningJob, Outcome]]:
         """The results at the front of the queue that fit one multi."""
@@ -163,6 +163,10 @@ class Completer:
         for (job, outcome), ok in zip(group, written, strict=True):
             self._account(job, outcome, ok, job.ended_at or now)
             self._done(job)
+            # Out of the queue once accounted: should the next one's accounting fail with
+            # the connection, the retry neither counts this one again nor frees its pages
+            # twice.
+            self.queued.popleft()
 
     def _record(self, job: RunningJob, outcome: Outcome, finished: float) -> Result:
         claim = job.claim
@@ -223,7 +227,9 @@ class Completer:
         )
         log.info("%s in %.2fs", outcome.status, finished - claim.claimed_at, extra=context)
         if self.corrections is not None:
-            self.corrections(claim, outcome.extra)
+            # Best effort (it may read the queue's weights): the job is complete, and counted.
+            with contextlib.suppress(*TRANSIENT):
+                self.corrections(claim, outcome.extra)
 
     def _letter(self, claim: Claim, data: bytes, stat: ZnodeStat) -> bool:
         """A generated id's duplicate (its check is left to the completion, which found it):

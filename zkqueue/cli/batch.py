@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, TextIO
 import click
 
 from zkqueue.cli.common import open_client
-from zkqueue.errors import ExitCode, Interrupted, NoWorker
+from zkqueue.errors import ExitCode, Interrupted, NoWorker, ZkqConnectionError
 from zkqueue.producer import bulk
 from zkqueue.producer.client import Client
 
@@ -24,7 +24,12 @@ def left(deadline: float | None) -> float | None:
 def check_served(client: Client, queues: Iterable[str], *, require: bool) -> None:
     """Warn on stderr (or refuse, with ``require``) when no registered worker serves a queue:
     the job would wait until one registers."""
-    served = client.served_queues()
+    try:
+        served = client.served_queues()
+    except ZkqConnectionError:
+        if require:
+            raise
+        return  # a warning after the submit: the job is in, and what follows tells of it
     for queue in sorted(set(queues) - served):
         message = f"no registered worker serves queue {queue!r}"
         if require:

@@ -391,8 +391,6 @@ class JanitorService:
             close(self.zk)
 
     def _run(self) -> None:
-        with contextlib.suppress(NodeExistsError):
-            self.zk.ensure_path(self.layout.janitor())
         while not self._stop.is_set():
             self._turn()
             self._wake.wait(self.interval)
@@ -406,7 +404,9 @@ class JanitorService:
         try:
             if self._unsure:
                 self._sweep()
-            if not self._line.joined:
+            if not self._line.joined:  # in a turn: a failure is tried again at the next one
+                with contextlib.suppress(NodeExistsError):
+                    self.zk.ensure_path(self.layout.janitor())
                 self._line.join()
             self._line.recheck()  # elected: is our place still there? (look again each pass)
             if self._line.is_head():

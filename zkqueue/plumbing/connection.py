@@ -7,11 +7,12 @@ none. With ``tls_ca`` (and, for mutual TLS, ``tls_cert``/``tls_key``) the connec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,11 +193,21 @@ def await_connected(
     an expired session kazoo opens a new one by itself)."""
     while not zk.connected:
         if time.monotonic() > deadline:
-            raise ZkqConnectionError(
-                f"lost ZooKeeper at {settings.hosts} while {doing} and it did not come back "
-                f"within {settings.connect_timeout:g}s"
-            )
+            raise _not_back(settings, doing)
         time.sleep(RECONNECT_POLL)
+
+
+def _not_back(settings: ConnectionSettings, doing: str) -> ZkqConnectionError:
+    return ZkqConnectionError(
+        f"lost ZooKeeper at {settings.hosts} while {doing} and it did not come back "
+        f"within {settings.connect_timeout:g}s"
+    )
+
+
+def _lost(settings: ConnectionSettings, doing: str, exc: Exception) -> ZkqConnectionError:
+    return ZkqConnectionError(
+        f"lost ZooKeeper at {settings.hosts} while {doing}: {type(exc).__name__}"
+    )
 
 
 def send_when_connected(zk: KazooClient, send: Callable[[], Any]) -> None:
@@ -253,6 +264,24 @@ def read_through_loss(
             return read()
         except TRANSIENT as exc:
             if time.monotonic() > deadline:
-                raise ZkqConnectionError(
-                    f"lost ZooKeeper at {settings.hosts} while {doing}: {type(exc).__name__}"
-                ) from exc
+                raise _lost(settings, doing, exc) from exc
+
+
+async def read_through_loss_async(
+    zk: KazooClient,
+    settings: ConnectionSettings,
+    read: Callable[[], Awaitable[_T]],
+    doing: str,
+) -> _T:
+    """``read_through_loss`` for an event loop: the same bound, waited for without blocking."""
+    deadline = time.monotonic() + settings.connect_timeout
+    while True:
+        while not zk.connected:
+            if time.monotonic() > deadline:
+                raise _not_back(settings, doing)
+            await asyncio.sleep(RECONNECT_POLL)
+        try:
+            return await read()
+        except TRANSIENT as exc:
+            if time.monotonic() > deadline:
+                raise _lost(settings, doing, exc) from exc

@@ -29,7 +29,12 @@ from kazoo.interfaces import IAsyncResult
 
 from zkqueue import defaults
 from zkqueue.errors import ZkqConnectionError
-from zkqueue.plumbing.connection import close, connect, mapped_errors
+from zkqueue.plumbing.connection import (
+    close,
+    connect,
+    mapped_errors,
+    read_through_loss_async,
+)
 from zkqueue.producer.aiojob import AsyncJob
 from zkqueue.producer.clientbase import ClientBase, ClientOptions
 from zkqueue.producer.enqueue import Enqueuer
@@ -217,10 +222,16 @@ class AsyncClient(ClientBase):
         data = build_spec(prompt, max_new_tokens, params).to_bytes(self.max_spec_bytes)
         job_id = new_job_id()
         with mapped_errors(self.settings.hosts):
-            await self.ensure_queue(queue)
-            await self.check_room(queue, tenant)
+            # Checks that ride through a short outage, as the blocking client's do.
+            await read_through_loss_async(
+                self.zk, self.settings, lambda: self._before_submit(queue, tenant), "submitting"
+            )
             name = await self._create_entry(queue, path, job_id, data, ephemeral=not detach)
         return AsyncJob(self, job_id, queue, priority, name, detach=detach, owned=True)
+
+    async def _before_submit(self, queue: str, tenant: str | None) -> None:
+        await self.ensure_queue(queue)
+        await self.check_room(queue, tenant)
 
     async def ensure_queue(self, queue: str) -> None:
         """Check the root's protocol version and create the queue's directories, once per

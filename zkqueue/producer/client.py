@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -386,7 +387,8 @@ class Client(ClientBase):
     def workers(self) -> builtins.list[dict[str, Any]]:
         """Registered workers' records (see docs/PROTOCOL.md)."""
         with self.mapped():
-            return read_records(self.zk, self.layout)
+            read = functools.partial(read_records, self.zk, self.layout)
+            return read_through_loss(self.zk, self.settings, read, "reading workers")
 
     def served_queues(self) -> set[str]:
         """Queues at least one registered worker serves."""

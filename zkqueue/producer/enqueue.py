@@ -308,7 +308,9 @@ class Enqueuer:
 
     def _open_full(self, chunk: list[Prepared], names: list[str]) -> None:
         """Count the entries this chunk made (``names``, one per entry) and open the next
-        bucket of every priority whose tail bucket they filled."""
+        bucket of every priority whose tail bucket they filled. Best effort: the jobs are
+        enqueued, which a connection lost here must not make look otherwise, and the next entry
+        past a full bucket opens it otherwise."""
         full: set[tuple[str, str, int]] = set()
         for (_, queue, priority, _), name in zip(chunk, names, strict=True):
             entry = EntryName.parse(name)
@@ -316,12 +318,13 @@ class Enqueuer:
             if entry.seq + 1 >= self.bucket_size:
                 full.add((queue, priority, entry.bucket))
         for queue, priority, bucket in full:
-            tail, version = self.tail(queue, priority)
-            opened = bucket == tail and claims.open_bucket(
-                self._zk(), self.layout, queue, priority, tail, version
-            )
-            if opened:  # else someone else moved the tail: how full it is, a reply will tell
-                self._count(queue, priority, tail + 1, 0)
+            with contextlib.suppress(*TRANSIENT):
+                tail, version = self.tail(queue, priority)
+                opened = bucket == tail and claims.open_bucket(
+                    self._zk(), self.layout, queue, priority, tail, version
+                )
+                if opened:  # else someone else moved the tail: how full, a reply will tell
+                    self._count(queue, priority, tail + 1, 0)
             self._tails.pop((queue, priority), None)
 
     def _recover(self, chunk: list[Prepared], ephemeral: bool) -> list[str | None]:
@@ -335,10 +338,7 @@ class Enqueuer:
         names = [first, *(self.find(q, p, j) for j, q, p, _ in chunk[1:])]
         found = [(one, name) for one, name in zip(chunk, names, strict=True) if name]
         if found:  # it committed: count what it made, and open the bucket it may have filled
-            # (best effort, as ever: the next entry past a full bucket opens it otherwise; the
-            # jobs are enqueued, which a connection error here must not make look otherwise)
-            with contextlib.suppress(*TRANSIENT):
-                self._open_full([one for one, _ in found], [name for _, name in found])
+            self._open_full([one for one, _ in found], [name for _, name in found])
             return names
         zk = self._zk()
         if any(zk.exists(self.layout.result(q, j)) for j, q, _, _ in chunk):
