@@ -16,6 +16,7 @@ from tests.conftest import Relay, registered, wait_for
 from tests.runners import GateRunner
 from workers.runners.echo import EchoRunner
 from zkqueue import AsyncClient, Client, JobTimeout, QueueFull, ZkqConnectionError
+from zkqueue.producer import aio as aio_module
 from zkqueue.protocol import counts
 from zkqueue.protocol.result import CANCELLED
 
@@ -233,10 +234,13 @@ def test_close_does_not_wait_for_a_busy_pool(hosts: str, root: str) -> None:
     asyncio.run(main())
 
 
-def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, root: str) -> None:
-    """A submit while ZooKeeper is away sends nothing, waits for it at most
-    ``connect_timeout``, and fails with the job's id to look up. Back within the session,
-    nothing of it arrives."""
+def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(
+    relay: Relay, root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit while ZooKeeper is away waits for it at most ``connect_timeout``: in its checks
+    it fails saying nothing was enqueued; past them (they passed just before ZooKeeper went)
+    the create is not sent, and it fails with the job's id to look up. Back within the session,
+    nothing of either arrives."""
 
     async def main() -> None:
         hosts = f"127.0.0.1:{relay.port}"
@@ -247,6 +251,14 @@ def test_a_submit_while_zookeeper_is_away_fails_naming_the_job(relay: Relay, roo
             while aio.zk.connected and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not aio.zk.connected, "the client did not notice ZooKeeper going away"
+            with pytest.raises(ZkqConnectionError, match="nothing was enqueued") as checking:
+                await asyncio.wait_for(aio.submit("while away", detach=True), 15)
+            assert checking.value.job_id is None
+
+            async def checked(*_args: object) -> None:
+                return None
+
+            monkeypatch.setattr(aio_module, "read_through_loss_async", checked)
             with pytest.raises(ZkqConnectionError) as caught:
                 await asyncio.wait_for(aio.submit("while away", detach=True), 15)
             job_id = caught.value.job_id

@@ -90,7 +90,7 @@ class AsyncClient(ClientBase):
     and ``await close()``. Every ZooKeeper call is bounded by ``connect_timeout``: a session
     that cannot reach the ensemble fails with ZkqConnectionError instead of hanging."""
 
-    NOT_STARTED = "client is not started: use it with 'async with'"
+    NOT_STARTED = "client is not started, or closed: use it with 'async with'"
     _asynchronous = True
 
     def __init__(
@@ -117,7 +117,7 @@ class AsyncClient(ClientBase):
     async def blocking(self, func: Callable[..., T], *args: Any) -> T:
         """Run a blocking call on this client's threads (with the caller's context vars)."""
         if self._pool is None:
-            raise ZkqConnectionError("client is not started, or closed: use it with 'async with'")
+            raise ZkqConnectionError(self.NOT_STARTED)
         call = functools.partial(contextvars.copy_context().run, func, *args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
@@ -224,7 +224,7 @@ class AsyncClient(ClientBase):
         with mapped_errors(self.settings.hosts):
             # Checks that ride through a short outage, as the blocking client's do.
             await read_through_loss_async(
-                self.zk, self.settings, lambda: self._before_submit(queue, tenant), "submitting"
+                self.zk, self.settings, lambda: self._before_submit(queue, tenant), self.CHECKING
             )
             name = await self._create_entry(queue, path, job_id, data, ephemeral=not detach)
         return AsyncJob(self, job_id, queue, priority, name, detach=detach, owned=True)

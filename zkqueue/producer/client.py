@@ -141,7 +141,7 @@ class Client(ClientBase):
                 self.zk,
                 self.settings,
                 lambda: self._before_submit(queue, job_id, tenant),
-                "submitting",
+                self.CHECKING,
             )
             if found is not None:
                 found.existing = True
@@ -198,11 +198,11 @@ class Client(ClientBase):
         firsts = {(p[1], p[0]): p for p in reversed(prepared)}  # an id given twice: once
         with self.mapped():
             known = read_through_loss(
-                self.zk, self.settings, lambda: self._before_many(prepared, chosen), "submitting"
+                self.zk, self.settings, lambda: self._before_many(prepared, chosen), self.CHECKING
             )
             fresh = [p for p in prepared if firsts[p[1], p[0]] is p and (p[1], p[0]) not in known]
             read_through_loss(
-                self.zk, self.settings, lambda: self._check_room_many(fresh), "submitting"
+                self.zk, self.settings, lambda: self._check_room_many(fresh), self.CHECKING
             )
             names = self._enqueue.create_many(fresh, ephemeral=not detach)
         made = {

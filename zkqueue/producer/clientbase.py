@@ -47,6 +47,8 @@ class ClientBase:
 
     #: How a face tells its user to start it.
     NOT_STARTED = "client is not started: use it as a context manager"
+    #: What a submit is doing when ZooKeeper goes away during its reads (the error says so).
+    CHECKING = "checking the queue before submitting (nothing was enqueued)"
 
     def __init__(
         self,
