@@ -213,6 +213,35 @@ def test_a_submit_that_filled_its_bucket_succeeds_though_opening_the_next_fails(
     assert after.entry is not None and after.entry.split("/")[0] == "0000000001"
 
 
+def test_a_batch_cut_short_by_the_connection_says_which_jobs_were_enqueued(
+    client: Client, monkeypatch
+) -> None:
+    """The first multi commits; the reply of the second never comes back: the error lists the
+    first multi's jobs as enqueued, the ones sent since as unsure, and nothing as lost."""
+    client.ensure_queue("default")
+    real = Enqueuer._created
+    replies: list[int] = []
+
+    def second_lost(self: Enqueuer, chunk: Any, sent: Any, ephemeral: bool) -> Any:
+        replies.append(len(chunk))
+        if len(replies) == 2:
+            sent[1].get()  # it commits; its reply is what goes
+            raise ZkqConnectionError("ZooKeeper went away while enqueuing")
+        return real(self, chunk, sent, ephemeral)
+
+    monkeypatch.setattr(Enqueuer, "_created", second_lost)
+    prompts = [f"job {i}" for i in range(250)]
+    with pytest.raises(ZkqConnectionError) as caught:
+        client.submit_many(prompts, detach=True)
+    error = caught.value
+    assert len(error.enqueued) == 100 and len(error.unsure) == 150  # multis of 100: one window
+    assert error.job_id == error.unsure[0]
+    assert "100 were enqueued, 150 may or may not have been" in str(error)
+    assert "0 were not sent" in str(error)
+    listed = {e.split("/")[1].rsplit("-", 1)[0] for e in _all_entries(client)}
+    assert set(error.enqueued) <= listed and listed <= set(error.enqueued) | set(error.unsure)
+
+
 def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:
     """Lines that carry a job_id are looked up first: one already pending (or finished) is
     not enqueued again, nor one given twice in the batch, so a batch cut short by an error

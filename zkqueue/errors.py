@@ -80,13 +80,23 @@ class QueueBusy(ZkqError):
 
 class ZkqConnectionError(ZkqError):
     """ZooKeeper could not be reached, or the session was lost while waiting. ``job_id`` names
-    a job whose enqueue may have committed before the connection went."""
+    a job whose enqueue may have committed before the connection went. A batch cut short
+    says which of its jobs were ``enqueued`` and which ``unsure`` (sent: they may or may not
+    have been); the rest were not sent."""
 
     exit_code = ExitCode.UNAVAILABLE
 
-    def __init__(self, message: str, job_id: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        job_id: str | None = None,
+        enqueued: tuple[str, ...] = (),
+        unsure: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.job_id = job_id
+        self.enqueued = enqueued
+        self.unsure = unsure
 
 
 class AccessDenied(ZkqError):

@@ -225,16 +225,20 @@ class Enqueuer:
         is created again."""
         names: list[str | None] = []
         chunks = [prepared[i : i + _MULTI_CREATES] for i in range(0, len(prepared), _MULTI_CREATES)]
-        start = 0
-        while start < len(chunks):
-            window = self._window(chunks[start : start + _MULTIS_IN_FLIGHT])
-            start += len(window)
-            calls = [self._send(chunk, ephemeral) for chunk in window]
-            for chunk, call in zip(window, calls, strict=True):
-                try:
-                    names.extend(self._created(chunk, call, ephemeral))
-                except _Stale:
-                    names.extend(self._retry(chunk, ephemeral))
+        start = sent = 0
+        try:
+            while start < len(chunks):
+                window = self._window(chunks[start : start + _MULTIS_IN_FLIGHT])
+                start += len(window)
+                calls = [self._send(chunk, ephemeral) for chunk in window]
+                sent += sum(len(chunk) for chunk in window)
+                for chunk, call in zip(window, calls, strict=True):
+                    try:
+                        names.extend(self._created(chunk, call, ephemeral))
+                    except _Stale:
+                        names.extend(self._retry(chunk, ephemeral))
+        except ZkqConnectionError as exc:
+            raise _cut_short(exc, prepared, len(names), sent) from None
         return names
 
     def _window(self, chunks: list[list[Prepared]]) -> list[list[Prepared]]:
@@ -405,6 +409,24 @@ class Enqueuer:
                 f"(check with: zkq status {job_id})",
                 job_id=job_id,
             ) from None
+
+
+def _cut_short(
+    exc: ZkqConnectionError, prepared: list[Prepared], done: int, sent: int
+) -> ZkqConnectionError:
+    """A batch's connection error that says which of its jobs were enqueued (``done``, in
+    order), which were sent and may or may not have been, and how many were not sent."""
+    enqueued = tuple(one[0] for one in prepared[:done])
+    unsure = tuple(one[0] for one in prepared[done:sent])
+    where = f" (the first is {unsure[0]}: check each with zkq status ID)" if unsure else ""
+    return ZkqConnectionError(
+        f"{exc}; of the batch's {len(prepared)} jobs, {len(enqueued)} were enqueued, "
+        f"{len(unsure)} may or may not have been{where}, and {len(prepared) - sent} were not "
+        "sent",
+        job_id=unsure[0] if unsure else None,
+        enqueued=enqueued,
+        unsure=unsure,
+    )
 
 
 def _relative(path: str) -> str:
