@@ -242,6 +242,30 @@ def test_a_batch_cut_short_by_the_connection_says_which_jobs_were_enqueued(
     assert set(error.enqueued) <= listed and listed <= set(error.enqueued) | set(error.unsure)
 
 
+def test_a_batch_cut_short_while_sending_counts_what_went_as_unsure(
+    client: Client, monkeypatch
+) -> None:
+    """The second window's first multi goes; its second cannot be sent (kazoo's own error,
+    raised as it is): the first is unsure, the last 50 were not sent."""
+    client.ensure_queue("default")
+    real = Enqueuer._send
+    sends: list[int] = []
+
+    def third_fails(self: Enqueuer, chunk: Any, *args: Any) -> Any:
+        sends.append(len(chunk))
+        if len(sends) == 3:
+            raise ConnectionLoss()
+        return real(self, chunk, *args)
+
+    monkeypatch.setattr(Enqueuer, "_send", third_fails)
+    with pytest.raises(ZkqConnectionError) as caught:
+        client.submit_many([f"job {i}" for i in range(250)], detach=True)
+    error = caught.value
+    assert (len(error.enqueued), len(error.unsure)) == (100, 100)
+    assert "lost ZooKeeper at" in str(error) and "ConnectionLoss" in str(error)
+    assert "50 were not sent" in str(error)
+
+
 def test_a_batch_with_chosen_ids_can_be_submitted_again(client: Client) -> None:
     """Lines that carry a job_id are looked up first: one already pending (or finished) is
     not enqueued again, nor one given twice in the batch, so a batch cut short by an error

@@ -206,12 +206,14 @@ class Completer:
                 job.cancel_reason = CancelReason.CANCELLED  # its entry is gone
                 log.warning("a duplicate of a finished job: dead-lettered", extra=context)
                 return
+            # Released or dropped before it is counted: should that lose the connection, the
+            # retry (the job still queued, as a result) completes, finds out and counts once.
+            if not self.claims.release(claim):
+                self.claims.drop(claim)  # the entry is gone (cancelled meanwhile): our claim too
             self.stats.fenced += 1
             self.metrics.claim_lost("fenced")
             # The entry may be pending again (a reclaimed lease): keep it in the head's view.
             job.cancel_reason = CancelReason.FENCED
-            if not self.claims.release(claim):
-                self.claims.drop(claim)  # the entry is gone (cancelled meanwhile): our claim too
             return
         # Written (``ours``: by an earlier try of this multi whose reply was lost).
         self.stats.completed += 1

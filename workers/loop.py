@@ -250,6 +250,7 @@ class Worker:
         due (the connection may go again before it is sent: it is tried at the next step once
         connected, and no record change is needed to bring it back)."""
         if self._rejoin and self.zk.connected:
+            self.registry.record.state = self.state  # draining, maybe, since the last beat
             self.registry.register(wait=self.registry.session_lifetime())
             self._rejoin = False
 

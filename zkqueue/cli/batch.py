@@ -24,12 +24,16 @@ def left(deadline: float | None) -> float | None:
 def check_served(client: Client, queues: Iterable[str], *, require: bool) -> None:
     """Warn on stderr (or refuse, with ``require``) when no registered worker serves a queue:
     the job would wait until one registers."""
+    # A warning after the submit: it never fails or holds it (the job is in, and what follows
+    # tells of it), so it is skipped while ZooKeeper is away.
+    if not require and not client.zk.connected:
+        return
     try:
         served = client.served_queues()
     except ZkqConnectionError:
         if require:
             raise
-        return  # a warning after the submit: the job is in, and what follows tells of it
+        return
     for queue in sorted(set(queues) - served):
         message = f"no registered worker serves queue {queue!r}"
         if require:

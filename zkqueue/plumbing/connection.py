@@ -215,7 +215,8 @@ def send_when_connected(zk: KazooClient, send: Callable[[], Any]) -> None:
     connection is away, once it is back: what kazoo itself does with a request made while it
     is disconnected, which zkq's client fails at once. For writes that may be sent twice (a
     delete whose node may be gone); it tries again after every reconnect until one is not
-    lost with the connection, and stops with the client."""
+    lost with the connection, and gives up with the session (its ephemeral nodes went with
+    it) or the client (closed)."""
     lock = threading.Lock()
     waiting = False  # for a reconnect, with on_state among the listeners
 
@@ -224,7 +225,7 @@ def send_when_connected(zk: KazooClient, send: Callable[[], Any]) -> None:
 
     def check(call: Any) -> None:
         nonlocal waiting
-        if not isinstance(call.exception, TRANSIENT):
+        if not isinstance(call.exception, TRANSIENT) or zk.client_state == KeeperState.CLOSED:
             return
         with lock:
             if waiting:
@@ -236,15 +237,16 @@ def send_when_connected(zk: KazooClient, send: Callable[[], Any]) -> None:
 
     def on_state(state: KazooState) -> bool:
         nonlocal waiting
-        if state != KazooState.CONNECTED:
+        if state == KazooState.SUSPENDED:
             return False
         with lock:
             if not waiting:
                 return False
             waiting = False
         zk.remove_listener(on_state)
-        attempt()
-        return False  # removed already
+        if state == KazooState.CONNECTED:
+            attempt()
+        return False  # removed already (LOST: the session, or the client, is gone)
 
     attempt()
 

@@ -230,15 +230,20 @@ class Enqueuer:
             while start < len(chunks):
                 window = self._window(chunks[start : start + _MULTIS_IN_FLIGHT])
                 start += len(window)
-                calls = [self._send(chunk, ephemeral) for chunk in window]
-                sent += sum(len(chunk) for chunk in window)
+                calls = []
+                for chunk in window:  # counted as each goes: the first may commit
+                    calls.append(self._send(chunk, ephemeral))
+                    sent += len(chunk)
                 for chunk, call in zip(window, calls, strict=True):
                     try:
                         names.extend(self._created(chunk, call, ephemeral))
                     except _Stale:
                         names.extend(self._retry(chunk, ephemeral))
-        except ZkqConnectionError as exc:
-            raise _cut_short(exc, prepared, len(names), sent) from None
+        except (ZkqConnectionError, *TRANSIENT) as exc:
+            cause = str(exc)
+            if not isinstance(exc, ZkqConnectionError):
+                cause = f"lost ZooKeeper at {self.settings.hosts}: {type(exc).__name__}"
+            raise _cut_short(cause, prepared, len(names), sent) from None
         return names
 
     def _window(self, chunks: list[list[Prepared]]) -> list[list[Prepared]]:
@@ -411,16 +416,14 @@ class Enqueuer:
             ) from None
 
 
-def _cut_short(
-    exc: ZkqConnectionError, prepared: list[Prepared], done: int, sent: int
-) -> ZkqConnectionError:
+def _cut_short(cause: str, prepared: list[Prepared], done: int, sent: int) -> ZkqConnectionError:
     """A batch's connection error that says which of its jobs were enqueued (``done``, in
     order), which were sent and may or may not have been, and how many were not sent."""
     enqueued = tuple(one[0] for one in prepared[:done])
     unsure = tuple(one[0] for one in prepared[done:sent])
     where = f" (the first is {unsure[0]}: check each with zkq status ID)" if unsure else ""
     return ZkqConnectionError(
-        f"{exc}; of the batch's {len(prepared)} jobs, {len(enqueued)} were enqueued, "
+        f"{cause}; of the batch's {len(prepared)} jobs, {len(enqueued)} were enqueued, "
         f"{len(unsure)} may or may not have been{where}, and {len(prepared) - sent} were not "
         "sent",
         job_id=unsure[0] if unsure else None,
