@@ -25,7 +25,7 @@ from scripts.bench import wire
 from scripts.bench.services import LockingQueueService, RedisService, Service, ZkqService
 from workers.runners.echo import EchoRunner
 from zkqueue import Client
-from zkqueue.plumbing.connection import FailFastClient
+from zkqueue.plumbing.connection import ConnectionSettings
 from zkqueue.plumbing.handler import PollingHandler
 
 
@@ -72,7 +72,7 @@ class Agent:
         # kazoo's own, as kazoo ships it, unless ZKQ_BENCH_LQ_HANDLER=zkq (to tell the handler's
         # share).
         self.hosts = hosts
-        self.zk = _start(FailFastClient(hosts=hosts, timeout=10.0, handler=PollingHandler()))
+        self.zk = _start(ConnectionSettings(hosts=hosts, session_timeout=10.0).make_client())
         self._lq_zk: KazooClient | None = None
         self.service: Service | None = None
 

@@ -24,8 +24,7 @@ from kazoo.exceptions import NoNodeError
 from scripts.bench import wire
 from scripts.bench.agents import agent_main
 from zkqueue import Client
-from zkqueue.plumbing.connection import FailFastClient
-from zkqueue.plumbing.handler import PollingHandler
+from zkqueue.plumbing.connection import ConnectionSettings
 from zkqueue.testing import ZkCluster
 
 if TYPE_CHECKING:
@@ -159,7 +158,7 @@ class Bench:
         self.hosts = self.cluster.hosts
         wire.install()
         # The harness's own client is a zkq client (the latency suite's caller): zkq's handler.
-        self.zk = FailFastClient(hosts=self.hosts, timeout=10.0, handler=PollingHandler())
+        self.zk = ConnectionSettings(hosts=self.hosts, session_timeout=10.0).make_client()
         self.zk.start(timeout=30)
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(["scripts.bench.agents"])

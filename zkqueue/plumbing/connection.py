@@ -204,7 +204,8 @@ def _not_back(settings: ConnectionSettings, doing: str) -> ZkqConnectionError:
     )
 
 
-def _lost(settings: ConnectionSettings, doing: str, exc: Exception) -> ZkqConnectionError:
+def lost_error(settings: ConnectionSettings, doing: str, exc: Exception) -> ZkqConnectionError:
+    """The error for a call that failed with the connection (``exc``) while ``doing``."""
     return ZkqConnectionError(
         f"lost ZooKeeper at {settings.hosts} while {doing}: {type(exc).__name__}"
     )
@@ -266,7 +267,7 @@ def read_through_loss(
             return read()
         except TRANSIENT as exc:
             if time.monotonic() > deadline:
-                raise _lost(settings, doing, exc) from exc
+                raise lost_error(settings, doing, exc) from exc
 
 
 async def read_through_loss_async(
@@ -286,4 +287,4 @@ async def read_through_loss_async(
             return await read()
         except TRANSIENT as exc:
             if time.monotonic() > deadline:
-                raise _lost(settings, doing, exc) from exc
+                raise lost_error(settings, doing, exc) from exc

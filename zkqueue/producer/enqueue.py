@@ -43,6 +43,7 @@ from zkqueue.plumbing.connection import (
     TRANSIENT,
     ConnectionSettings,
     await_connected,
+    lost_error,
     read_through_loss,
 )
 from zkqueue.protocol import arrival, claims, counts, revision
@@ -240,10 +241,9 @@ class Enqueuer:
                     except _Stale:
                         names.extend(self._retry(chunk, ephemeral))
         except (ZkqConnectionError, *TRANSIENT) as exc:
-            cause = str(exc)
             if not isinstance(exc, ZkqConnectionError):
-                cause = f"lost ZooKeeper at {self.settings.hosts}: {type(exc).__name__}"
-            raise _cut_short(cause, prepared, len(names), sent) from None
+                exc = lost_error(self.settings, "enqueuing", exc)
+            raise _cut_short(str(exc), prepared, len(names), sent) from None
         return names
 
     def _window(self, chunks: list[list[Prepared]]) -> list[list[Prepared]]:
@@ -294,10 +294,10 @@ class Enqueuer:
     def _reply(self, pending: Any) -> Any:
         """A multi's reply. A multi is sent only while connected (``_send``), but the
         connection may go in the instant between zkq's client's check and kazoo's queueing
-        of it: kazoo then holds it until ZooKeeper comes back. Once it has
-        been away ``connect_timeout`` meanwhile, ZkqConnectionError: the create may still
-        happen if this client reconnects within its session, so nothing is sent again
-        (``finish`` names the job to look up). While connected, however slow, it waits."""
+        of it: kazoo then holds it until ZooKeeper comes back. Once it has been away
+        ``connect_timeout`` meanwhile, ZkqConnectionError: the create may still happen if this
+        client reconnects within its session, so nothing is sent again (``finish`` names the
+        job to look up). While connected, however slow, it waits."""
         away_since: float | None = None
         while True:
             try:
